@@ -1,0 +1,472 @@
+//! Configuration: the TOML file as written by an operator ([`FileConfig`]), validated once at
+//! start into the runtime [`Config`]. Every key and its default is documented in
+//! `config.example.toml`; unknown keys are an error so a typo never silently falls back to a
+//! default.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::braces;
+use crate::store::{ShardUrl, UrlError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+    #[error("invalid config: dataset {dataset:?}: {source}")]
+    Url { dataset: String, source: UrlError },
+}
+
+fn invalid(msg: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid(msg.into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer 1: what the file says.
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub server: ServerSection,
+    #[serde(default)]
+    pub host: HostSection,
+    #[serde(default)]
+    pub cache: CacheSection,
+    #[serde(default)]
+    pub store: StoreSection,
+    pub gcs: Option<GcsSection>,
+    pub s3: Option<S3Section>,
+    #[serde(default)]
+    pub datasets: BTreeMap<String, DatasetSection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    pub socket: PathBuf,
+    pub socket_mode: String,
+    pub metrics_addr: String,
+    pub max_connections: usize,
+    pub handshake_timeout: String,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            socket: "/run/shardd/shardd.sock".into(),
+            socket_mode: "0660".into(),
+            metrics_addr: "127.0.0.1:9464".into(),
+            max_connections: 1024,
+            handshake_timeout: "10s".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostSection {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Default for HostSection {
+    fn default() -> Self {
+        Self { index: 0, count: 1 }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheSection {
+    pub dir: PathBuf,
+    pub max_size: String,
+    pub prefetch_shards: usize,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        Self {
+            dir: "/var/cache/shardd".into(),
+            max_size: "100GiB".into(),
+            prefetch_shards: 2,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSection {
+    pub max_downloads: usize,
+    pub connect_timeout: String,
+    pub read_timeout: String,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        Self {
+            max_downloads: 16,
+            connect_timeout: "10s".into(),
+            read_timeout: "60s".into(),
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GcsSection {
+    pub endpoint: Option<String>,
+    pub anonymous: bool,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct S3Section {
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub anonymous: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetSection {
+    pub shards: Patterns,
+    #[serde(default = "default_shuffle_buffer")]
+    pub shuffle_buffer: usize,
+}
+
+fn default_shuffle_buffer() -> usize {
+    10_000
+}
+
+/// `shards = "pattern"` or `shards = ["pattern", ...]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Patterns {
+    One(String),
+    Many(Vec<String>),
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer 2: the validated runtime configuration.
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub socket: PathBuf,
+    pub socket_mode: u32,
+    /// `None` when `metrics_addr = ""`: no HTTP listener.
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    pub max_connections: usize,
+    pub handshake_timeout: Duration,
+    pub host: Topology,
+    pub cache_dir: PathBuf,
+    pub cache_max_bytes: u64,
+    pub prefetch_shards: usize,
+    pub max_downloads: usize,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+    pub gcs: Option<GcsSection>,
+    pub s3: Option<S3Section>,
+    pub datasets: BTreeMap<String, Dataset>,
+}
+
+/// Where this host sits among the hosts of the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    pub index: u32,
+    pub count: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    pub name: String,
+    /// Every shard, in the order the patterns expand to. The plan is a function of this order.
+    pub shards: Vec<ShardUrl>,
+    pub shuffle_buffer: usize,
+}
+
+impl Config {
+    /// Reads, parses and validates a config file. Relative local shard paths are resolved
+    /// against the config file's directory, so a config means the same whatever the cwd.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Self::parse(&text, base).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.into(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    pub fn parse(text: &str, base_dir: &Path) -> Result<Config, ConfigError> {
+        let file: FileConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: PathBuf::from("<string>"),
+            message: e.to_string(),
+        })?;
+        file.validate(base_dir)
+    }
+}
+
+impl FileConfig {
+    pub fn validate(self, base_dir: &Path) -> Result<Config, ConfigError> {
+        let s = self.server;
+        let socket_mode = u32::from_str_radix(s.socket_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "server.socket_mode {:?} is not an octal file mode like \"0660\"",
+                    s.socket_mode
+                ))
+            })?;
+        let metrics_addr = if s.metrics_addr.is_empty() {
+            None
+        } else {
+            Some(s.metrics_addr.parse().map_err(|_| {
+                invalid(format!(
+                    "server.metrics_addr {:?} is not an address like \"127.0.0.1:9464\"",
+                    s.metrics_addr
+                ))
+            })?)
+        };
+        if s.max_connections == 0 {
+            return Err(invalid("server.max_connections must be at least 1"));
+        }
+        let handshake_timeout = parse_duration(&s.handshake_timeout, "server.handshake_timeout")?;
+
+        let host = Topology {
+            index: self.host.index,
+            count: self.host.count,
+        };
+        if host.count == 0 {
+            return Err(invalid("host.count must be at least 1"));
+        }
+        if host.index >= host.count {
+            return Err(invalid(format!(
+                "host.index {} must be less than host.count {}",
+                host.index, host.count
+            )));
+        }
+
+        let cache_max_bytes = parse_size(&self.cache.max_size, "cache.max_size")?;
+        if self.cache.prefetch_shards == 0 {
+            return Err(invalid("cache.prefetch_shards must be at least 1"));
+        }
+        if self.store.max_downloads == 0 {
+            return Err(invalid("store.max_downloads must be at least 1"));
+        }
+        let connect_timeout = parse_duration(&self.store.connect_timeout, "store.connect_timeout")?;
+        let read_timeout = parse_duration(&self.store.read_timeout, "store.read_timeout")?;
+
+        if self.datasets.is_empty() {
+            return Err(invalid("no [datasets.NAME] section: nothing to serve"));
+        }
+        let mut datasets = BTreeMap::new();
+        for (name, d) in self.datasets {
+            let dataset = validate_dataset(&name, d, base_dir)?;
+            datasets.insert(name, dataset);
+        }
+
+        Ok(Config {
+            socket: s.socket,
+            socket_mode,
+            metrics_addr,
+            max_connections: s.max_connections,
+            handshake_timeout,
+            host,
+            cache_dir: self.cache.dir,
+            cache_max_bytes,
+            prefetch_shards: self.cache.prefetch_shards,
+            max_downloads: self.store.max_downloads,
+            connect_timeout,
+            read_timeout,
+            gcs: self.gcs,
+            s3: self.s3,
+            datasets,
+        })
+    }
+}
+
+fn validate_dataset(
+    name: &str,
+    d: DatasetSection,
+    base_dir: &Path,
+) -> Result<Dataset, ConfigError> {
+    let patterns = match d.shards {
+        Patterns::One(p) => vec![p],
+        Patterns::Many(ps) => ps,
+    };
+    if patterns.is_empty() {
+        return Err(invalid(format!(
+            "dataset {name:?}: shards is an empty list"
+        )));
+    }
+    if d.shuffle_buffer == 0 {
+        return Err(invalid(format!(
+            "dataset {name:?}: shuffle_buffer must be at least 1 (1 means no sample shuffle)"
+        )));
+    }
+    let mut shards = Vec::new();
+    for pattern in &patterns {
+        let expanded = braces::expand(pattern)
+            .map_err(|e| invalid(format!("dataset {name:?}: pattern {pattern:?}: {e}")))?;
+        for url in expanded {
+            let shard = ShardUrl::parse(&url, base_dir).map_err(|source| ConfigError::Url {
+                dataset: name.to_string(),
+                source,
+            })?;
+            shards.push(shard);
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = shards.iter().find(|s| !seen.insert(s.as_str())) {
+        return Err(invalid(format!(
+            "dataset {name:?}: shard {} is listed twice; every sample must appear once per epoch",
+            dup.as_str()
+        )));
+    }
+    Ok(Dataset {
+        name: name.to_string(),
+        shards,
+        shuffle_buffer: d.shuffle_buffer,
+    })
+}
+
+/// Parses "100GiB", "512MB", "1 TiB", "4096" (bytes).
+pub fn parse_size(text: &str, key: &str) -> Result<u64, ConfigError> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => u64::MAX,
+    };
+    match num.parse::<f64>() {
+        Ok(n) if mult != u64::MAX && n >= 0.0 && n.is_finite() => Ok((n * mult as f64) as u64),
+        _ => Err(invalid(format!(
+            "{key} {text:?} is not a size like \"100GiB\", \"512MB\" or \"4096\""
+        ))),
+    }
+}
+
+/// Parses "30s", "500ms", "5m", "1h".
+pub fn parse_duration(text: &str, key: &str) -> Result<Duration, ConfigError> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let secs: f64 = match unit.trim() {
+        "ms" => 0.001,
+        "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        _ => f64::NAN,
+    };
+    match num.parse::<f64>() {
+        Ok(n) if secs.is_finite() && n >= 0.0 => Ok(Duration::from_secs_f64(n * secs)),
+        _ => Err(invalid(format!(
+            "{key} {text:?} is not a duration like \"30s\", \"500ms\" or \"5m\""
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        [datasets.train]
+        shards = "/data/train-{0..3}.tar"
+    "#;
+
+    #[test]
+    fn defaults_apply() {
+        let c = Config::parse(MINIMAL, Path::new("/etc/shardd")).unwrap();
+        assert_eq!(c.socket, PathBuf::from("/run/shardd/shardd.sock"));
+        assert_eq!(c.socket_mode, 0o660);
+        assert_eq!(c.cache_max_bytes, 100 << 30);
+        assert_eq!(c.host, Topology { index: 0, count: 1 });
+        let d = &c.datasets["train"];
+        assert_eq!(d.shuffle_buffer, 10_000);
+        assert_eq!(d.shards.len(), 4);
+        assert_eq!(d.shards[3].as_str(), "/data/train-3.tar");
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        let text = format!("{MINIMAL}\n[cache]\nmax_sise = \"1GiB\"\n");
+        let err = Config::parse(&text, Path::new("."))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown field `max_sise`"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        for (extra, expect) in [
+            ("[cache]\nmax_size = \"lots\"", "cache.max_size"),
+            (
+                "[host]\nindex = 2\ncount = 2",
+                "host.index 2 must be less than host.count 2",
+            ),
+            ("[server]\nsocket_mode = \"0999\"", "server.socket_mode"),
+            ("[store]\nread_timeout = \"soon\"", "store.read_timeout"),
+        ] {
+            let text = format!("{MINIMAL}\n{extra}\n");
+            let err = Config::parse(&text, Path::new("."))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expect), "{extra}: {err}");
+        }
+    }
+
+    #[test]
+    fn duplicate_shards_are_refused() {
+        let text = r#"
+            [datasets.d]
+            shards = ["/x/a-{0..2}.tar", "/x/a-2.tar"]
+        "#;
+        let err = Config::parse(text, Path::new(".")).unwrap_err().to_string();
+        assert!(err.contains("/x/a-2.tar is listed twice"), "{err}");
+    }
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_size("100GiB", "k").unwrap(), 100 << 30);
+        assert_eq!(parse_size("1.5 MB", "k").unwrap(), 1_500_000);
+        assert_eq!(parse_size("4096", "k").unwrap(), 4096);
+        assert!(parse_size("-1GiB", "k").is_err());
+        assert_eq!(
+            parse_duration("500ms", "k").unwrap(),
+            Duration::from_millis(500)
+        );
+        assert_eq!(parse_duration("2m", "k").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("10", "k").is_err());
+    }
+}

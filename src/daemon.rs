@@ -1,0 +1,124 @@
+//! Wires the boxes together: metrics, cache, stores, the socket, the HTTP side, and a clean
+//! shutdown (the socket file is removed on the way out).
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::Cache;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::server::{self, Daemon};
+use crate::store::{StoreError, Stores};
+use crate::stream::StreamContext;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot bind the socket {path}: {source}")]
+    Socket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("another shardd is already serving on {path}")]
+    InUse { path: PathBuf },
+    #[error("cannot open the cache directory {path}: {source}")]
+    Cache {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot listen on server.metrics_addr {addr}: {source}")]
+    Metrics {
+        addr: String,
+        source: std::io::Error,
+    },
+}
+
+/// Runs the daemon until `shutdown` is cancelled.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
+    let stores = Stores::from_config(&config)?;
+    run_with_stores(config, stores, shutdown).await
+}
+
+/// [`run`] with stores supplied by the caller (tests can hand in any `ObjectStore`).
+pub async fn run_with_stores(
+    config: Config,
+    stores: Stores,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let metrics = Arc::new(Metrics::new());
+    let cache = Cache::open(
+        &config.cache_dir,
+        config.cache_max_bytes,
+        config.max_downloads,
+        metrics.clone(),
+    )
+    .map_err(|source| StartError::Cache {
+        path: config.cache_dir.clone(),
+        source,
+    })?;
+    let http = match config.metrics_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Metrics {
+                    addr: addr.to_string(),
+                    source,
+                })?,
+        ),
+        None => None,
+    };
+    let listener = bind_socket(&config.socket, config.socket_mode)?;
+    let socket = config.socket.clone();
+    tracing::info!(
+        socket = %socket.display(),
+        metrics = ?config.metrics_addr,
+        datasets = config.datasets.len(),
+        host = config.host.index,
+        hosts = config.host.count,
+        "serving"
+    );
+    let http_task =
+        http.map(|l| tokio::spawn(crate::http::serve(l, metrics.clone(), shutdown.clone())));
+    let daemon = Arc::new(Daemon {
+        streams: StreamContext {
+            cache: Arc::new(cache),
+            stores: Arc::new(stores),
+            metrics,
+            prefetch_shards: config.prefetch_shards,
+        },
+        config,
+    });
+    server::run(listener, daemon, shutdown).await;
+    if let Some(t) = http_task {
+        let _ = t.await;
+    }
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Binds the Unix socket with the configured mode. A stale socket file from a crashed run is
+/// replaced; a live one (another daemon answers on it) is an error.
+pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
+    let err = |source| StartError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(StartError::InUse { path: path.into() });
+        }
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    let listener = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
+    Ok(listener)
+}

@@ -1,0 +1,40 @@
+//! shardd: one daemon per training host that streams shuffled WebDataset samples from object
+//! storage to the host's trainer processes over a Unix socket.
+//!
+//! # Layout
+//! The data flows in one direction, one module per box:
+//!
+//! | box | file | job |
+//! |---|---|---|
+//! | config | `config.rs` | TOML → validated runtime [`config::Config`] |
+//! | shard lists | `braces.rs` | `train-{000000..000639}.tar` → shard URLs |
+//! | store | `store.rs` | URL → `object_store` store (gs://, s3://) or local file |
+//! | cache | `cache.rs` | shard bytes on local disk: download, verify size, map |
+//! | plan | `plan.rs` | (seed, epoch, topology, rank, worker) → which shards, in which order |
+//! | shard | `shard.rs` | tar bytes → WebDataset samples (zero-copy slices) |
+//! | shuffle | `shuffle.rs` | seeded generator; windowed sample shuffle |
+//! | stream | `stream.rs` | one stream: prefetch → parse → shuffle → batch frames |
+//! | protocol | `protocol.rs` | frames of `proto/PROTOCOL.md`, shared by server and client |
+//! | server | `server.rs` | Unix socket: accept, handshake, one stream per connection |
+//! | client | `client.rs` | Rust client (used by `cat`, `demo`, tests) |
+//! | metrics, http | `metrics.rs`, `http.rs` | Prometheus registry; `/metrics`, `/healthz`, `/readyz` |
+//! | daemon | `daemon.rs` | wires the boxes together, binds, shuts down |
+//! | demo | `demo.rs` | `shardd demo`: a synthetic dataset through the whole daemon |
+//!
+//! `main.rs` only parses the command line.
+
+pub mod braces;
+pub mod cache;
+pub mod client;
+pub mod config;
+pub mod daemon;
+pub mod demo;
+pub mod http;
+pub mod metrics;
+pub mod plan;
+pub mod protocol;
+pub mod server;
+pub mod shard;
+pub mod shuffle;
+pub mod store;
+pub mod stream;

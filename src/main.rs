@@ -1,0 +1,158 @@
+//! The `shardd` command line: parses flags, sets up tracing, hands over to the library.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use shardd::config::Config;
+use shardd::protocol::Request;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Streams shuffled WebDataset samples from object storage to local trainers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon until SIGTERM or SIGINT.
+    Serve {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Validate a config and list each dataset's shards.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Read one stream through the protocol; print a line per sample: key, then field=bytes.
+    Cat {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long)]
+        dataset: String,
+        #[arg(long, default_value_t = 0)]
+        epoch: u64,
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        #[arg(long, default_value_t = 1)]
+        world_size: u32,
+        #[arg(long, default_value_t = 0)]
+        worker: u32,
+        #[arg(long, default_value_t = 1)]
+        num_workers: u32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Stop after this many samples.
+        #[arg(long)]
+        limit: Option<u64>,
+    },
+    /// Serve a synthetic dataset through the whole daemon, read and verify one epoch.
+    Demo,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SHARDD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = tokio::runtime::Runtime::new()?;
+    match cli.command {
+        Command::Serve { config } => {
+            let config = Config::load(&config)?;
+            runtime.block_on(serve(config))
+        }
+        Command::Check { config } => check(&config),
+        Command::Cat {
+            socket,
+            dataset,
+            epoch,
+            rank,
+            world_size,
+            worker,
+            num_workers,
+            seed,
+            limit,
+        } => {
+            let req = Request {
+                worker,
+                num_workers,
+                seed,
+                ..Request::stream(&dataset, epoch, rank, world_size)
+            };
+            runtime.block_on(cat(socket, req, limit))
+        }
+        Command::Demo => runtime.block_on(shardd::demo::run()),
+    }
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let signals = {
+        let shutdown = shutdown.clone();
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+            }
+            shutdown.cancel();
+        })
+    };
+    shardd::daemon::run(config, shutdown).await?;
+    signals.abort();
+    Ok(())
+}
+
+fn check(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    shardd::store::Stores::from_config(&config)?;
+    println!("{}: ok", path.display());
+    for (name, d) in &config.datasets {
+        println!(
+            "dataset {name}: {} shards, first {}, last {}, shuffle_buffer {}",
+            d.shards.len(),
+            d.shards[0],
+            d.shards[d.shards.len() - 1],
+            d.shuffle_buffer
+        );
+    }
+    Ok(())
+}
+
+async fn cat(socket: PathBuf, req: Request, limit: Option<u64>) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut stream = shardd::client::SampleStream::open(&socket, &req)
+        .await
+        .with_context(|| format!("dataset {:?}", req.dataset))?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut count = 0u64;
+    'read: while let Some(batch) = stream.next_batch().await? {
+        for s in batch {
+            if limit.is_some_and(|l| count >= l) {
+                break 'read;
+            }
+            write!(out, "{}", s.key)?;
+            for (name, data) in &s.fields {
+                write!(out, " {name}={}", data.len())?;
+            }
+            writeln!(out)?;
+            count += 1;
+        }
+    }
+    out.flush()?;
+    eprintln!("{count} samples");
+    Ok(())
+}

@@ -1,0 +1,401 @@
+//! The wire protocol, as specified in `proto/PROTOCOL.md` (the single source of truth that
+//! this file and the Python client follow). Shared by the server and the Rust client.
+//!
+//! Control frames carry JSON (rare, evolvable, readable in a packet dump); sample frames carry
+//! a binary batch laid out so that a pure-Python reader decodes a whole batch with one
+//! `struct.unpack_from` and slices, and so that the daemon sends field data straight out of
+//! the shard's bytes with vectored writes.
+
+use std::io::IoSlice;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::shard::Sample;
+
+/// First bytes each side sends: magic, then the protocol version (u16, little-endian).
+pub const MAGIC: &[u8; 6] = b"SHARDD";
+pub const VERSION: u16 = 1;
+pub const PREAMBLE_LEN: usize = 8;
+/// Frame header: body length (u32 LE, not counting the header) and kind (u8).
+pub const HEADER_LEN: usize = 5;
+/// Largest frame a client may send; requests are small JSON documents.
+pub const MAX_CLIENT_FRAME: u32 = 64 * 1024;
+
+/// Batches are cut at about this much payload...
+pub const BATCH_TARGET_BYTES: usize = 1 << 20;
+/// ...or this many samples, whichever comes first.
+pub const BATCH_MAX_SAMPLES: usize = 4096;
+/// Pieces up to this size are copied into the frame; larger ones are sent from the shard's
+/// bytes in place (a syscall-level iovec costs more than copying a small piece).
+const INLINE_MAX: usize = 4096;
+/// Keeps one batch within the kernel's iovec limit (IOV_MAX = 1024).
+const MAX_PARTS: usize = 960;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Request = 1,
+    Start = 2,
+    Batch = 3,
+    End = 4,
+    Error = 5,
+}
+
+impl Kind {
+    pub fn from_u8(b: u8) -> Option<Kind> {
+        Some(match b {
+            1 => Kind::Request,
+            2 => Kind::Start,
+            3 => Kind::Batch,
+            4 => Kind::End,
+            5 => Kind::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// REQUEST (client → daemon), the only request of protocol 1: one stream per connection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    pub op: String,
+    pub dataset: String,
+    pub epoch: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    #[serde(default)]
+    pub worker: u32,
+    #[serde(default = "one")]
+    pub num_workers: u32,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// START (daemon → client): the request was accepted; samples follow.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Start {
+    pub dataset: String,
+    /// Shards this stream will read (0 is possible when there are fewer shards than streams).
+    pub shards: usize,
+    pub host: u32,
+    pub hosts: u32,
+}
+
+/// END (daemon → client): the stream is complete.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct End {
+    pub samples: u64,
+    pub bytes: u64,
+}
+
+/// ERROR (daemon → client): the stream (or handshake) failed; the daemon closes the connection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorFrame {
+    pub code: String,
+    pub message: String,
+}
+
+pub fn preamble() -> [u8; PREAMBLE_LEN] {
+    let mut p = [0u8; PREAMBLE_LEN];
+    p[..6].copy_from_slice(MAGIC);
+    p[6..].copy_from_slice(&VERSION.to_le_bytes());
+    p
+}
+
+/// Checks a peer's preamble; returns its version.
+pub fn parse_preamble(p: &[u8; PREAMBLE_LEN]) -> Option<u16> {
+    (&p[..6] == MAGIC).then(|| u16::from_le_bytes([p[6], p[7]]))
+}
+
+/// A whole control frame: header plus JSON body.
+pub fn json_frame<T: Serialize>(kind: Kind, msg: &T) -> Vec<u8> {
+    let body = serde_json::to_vec(msg).expect("control messages serialize");
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.push(kind as u8);
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Reads one frame, refusing bodies over `max_len`.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_len: u32,
+) -> std::io::Result<(u8, Bytes)> {
+    let mut header = [0u8; HEADER_LEN];
+    r.read_exact(&mut header).await?;
+    let len = u32::from_le_bytes(header[..4].try_into().unwrap());
+    if len > max_len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes is over the limit of {max_len}"),
+        ));
+    }
+    let mut body = BytesMut::zeroed(len as usize);
+    r.read_exact(&mut body).await?;
+    Ok((header[4], body.freeze()))
+}
+
+/// Writes all parts with vectored writes (the kernel gathers them; nothing is copied here).
+pub async fn write_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[Bytes]) -> std::io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = w.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    w.flush().await
+}
+
+/// Takes samples from the front of `samples` for one batch (at least one) and encodes them as
+/// a BATCH frame: a list of parts to write in order.
+pub fn encode_batch(
+    samples: &mut std::collections::VecDeque<Sample>,
+) -> Result<(Vec<Bytes>, Vec<Sample>), String> {
+    let mut batch = Vec::new();
+    let (mut payload, mut parts) = (0usize, 1usize);
+    while let Some(s) = samples.front() {
+        let big = s
+            .fields
+            .iter()
+            .filter(|(_, d)| d.len() > INLINE_MAX)
+            .count();
+        if !batch.is_empty()
+            && (payload + s.payload_len() > BATCH_TARGET_BYTES
+                || parts + 2 * big + 1 > MAX_PARTS
+                || batch.len() >= BATCH_MAX_SAMPLES)
+        {
+            break;
+        }
+        payload += s.payload_len();
+        parts += 2 * big + 1;
+        batch.push(samples.pop_front().unwrap());
+    }
+
+    let mut names: Vec<&str> = Vec::new();
+    let mut urls: Vec<&str> = Vec::new();
+    let mut words: Vec<u32> = Vec::new();
+    for s in &batch {
+        let url = index_of(&mut urls, &s.url);
+        words.push(url | ((s.fields.len() as u32) << 16));
+        words.push(s.key.len() as u32);
+        for (name, data) in &s.fields {
+            words.push(index_of(&mut names, name));
+            words.push(u32::try_from(data.len()).map_err(|_| {
+                format!(
+                    "{}: sample {:?} field {name:?} is {} bytes, over the protocol's 4 GiB limit",
+                    s.url,
+                    s.key,
+                    data.len()
+                )
+            })?);
+        }
+    }
+
+    let mut head = BytesMut::with_capacity(HEADER_LEN + 16 + words.len() * 4 + 256);
+    head.put_u32_le(0); // body length, patched below
+    head.put_u8(Kind::Batch as u8);
+    head.put_u32_le(batch.len() as u32);
+    head.put_u32_le(words.len() as u32);
+    head.put_u32_le(names.len() as u32);
+    head.put_u32_le(urls.len() as u32);
+    for t in names.iter().chain(urls.iter()) {
+        head.put_u32_le(t.len() as u32);
+        head.put_slice(t.as_bytes());
+    }
+    for w in &words {
+        head.put_u32_le(*w);
+    }
+
+    // Payload: small pieces are appended to the running inline buffer, big ones go as-is.
+    let mut out = Vec::with_capacity(parts + 1);
+    let mut inline = head;
+    for s in &batch {
+        inline.put_slice(s.key.as_bytes());
+        for (_, data) in &s.fields {
+            if data.len() > INLINE_MAX {
+                out.push(std::mem::take(&mut inline).freeze());
+                out.push(data.clone());
+            } else {
+                inline.put_slice(data);
+            }
+        }
+    }
+    if !inline.is_empty() {
+        out.push(inline.freeze());
+    }
+    let total: usize = out.iter().map(Bytes::len).sum();
+    let body_len = u32::try_from(total - HEADER_LEN)
+        .map_err(|_| "a batch frame is over the protocol's 4 GiB limit".to_string())?;
+    let mut first = BytesMut::from(&out[0][..]);
+    first[..4].copy_from_slice(&body_len.to_le_bytes());
+    out[0] = first.freeze();
+    Ok((out, batch))
+}
+
+fn index_of<'a>(table: &mut Vec<&'a str>, item: &'a str) -> u32 {
+    match table.iter().position(|t| *t == item) {
+        Some(i) => i as u32,
+        None => {
+            table.push(item);
+            (table.len() - 1) as u32
+        }
+    }
+}
+
+/// A sample as a client receives it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReceivedSample {
+    pub key: String,
+    pub url: String,
+    pub fields: Vec<(String, Bytes)>,
+}
+
+/// Decodes a BATCH body (the Rust client's side of [`encode_batch`]).
+pub fn decode_batch(body: Bytes) -> Result<Vec<ReceivedSample>, String> {
+    let short = || "batch frame is shorter than its header says".to_string();
+    let mut b = body.clone();
+    if b.remaining() < 16 {
+        return Err(short());
+    }
+    let (n, n_words, n_names, n_urls) = (
+        b.get_u32_le(),
+        b.get_u32_le(),
+        b.get_u32_le(),
+        b.get_u32_le(),
+    );
+    let mut table = |count: u32| -> Result<Vec<String>, String> {
+        (0..count)
+            .map(|_| {
+                if b.remaining() < 4 {
+                    return Err(short());
+                }
+                let len = b.get_u32_le() as usize;
+                if b.remaining() < len {
+                    return Err(short());
+                }
+                String::from_utf8(b.split_to(len).to_vec()).map_err(|e| e.to_string())
+            })
+            .collect()
+    };
+    let names = table(n_names)?;
+    let urls = table(n_urls)?;
+    if b.remaining() < n_words as usize * 4 {
+        return Err(short());
+    }
+    let words: Vec<u32> = (0..n_words).map(|_| b.get_u32_le()).collect();
+    let mut words = words.into_iter();
+    let mut next = || words.next().ok_or_else(short);
+    let mut out = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let head = next()?;
+        let key_len = next()? as usize;
+        if b.remaining() < key_len {
+            return Err(short());
+        }
+        let key = String::from_utf8(b.split_to(key_len).to_vec()).map_err(|e| e.to_string())?;
+        let url = urls
+            .get((head & 0xffff) as usize)
+            .ok_or_else(short)?
+            .clone();
+        let mut fields = Vec::with_capacity((head >> 16) as usize);
+        for _ in 0..head >> 16 {
+            let name = names.get(next()? as usize).ok_or_else(short)?.clone();
+            let len = next()? as usize;
+            if b.remaining() < len {
+                return Err(short());
+            }
+            fields.push((name, b.split_to(len)));
+        }
+        out.push(ReceivedSample { key, url, fields });
+    }
+    Ok(out)
+}
+
+/// Writes a control frame and flushes.
+pub async fn write_json<W: AsyncWrite + Unpin, T: Serialize>(
+    w: &mut W,
+    kind: Kind,
+    msg: &T,
+) -> std::io::Result<()> {
+    w.write_all(&json_frame(kind, msg)).await?;
+    w.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::sync::Arc;
+
+    fn sample(key: &str, url: &Arc<str>, fields: &[(&str, usize)]) -> Sample {
+        Sample {
+            key: key.into(),
+            url: url.clone(),
+            fields: fields
+                .iter()
+                .map(|(n, len)| (Arc::from(*n), Bytes::from(vec![key.len() as u8; *len])))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn batch_roundtrip_small_and_large_fields() {
+        let (u1, u2): (Arc<str>, Arc<str>) = (Arc::from("gs://b/0.tar"), Arc::from("gs://b/1.tar"));
+        let mut q: VecDeque<Sample> = VecDeque::from(vec![
+            sample("a", &u1, &[("jpg", 10), ("cls", 1)]),
+            sample("bb", &u2, &[("jpg", 100_000)]),
+            sample("ccc", &u1, &[("seg.png", 5000), ("json", 0)]),
+        ]);
+        let want: Vec<Sample> = q.iter().cloned().collect();
+        let (parts, sent) = encode_batch(&mut q).unwrap();
+        assert!(q.is_empty());
+        assert_eq!(sent, want);
+        let frame: Vec<u8> = parts.concat();
+        let len = u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, frame.len() - HEADER_LEN);
+        assert_eq!(frame[4], Kind::Batch as u8);
+        let got = decode_batch(Bytes::from(frame[HEADER_LEN..].to_vec())).unwrap();
+        assert_eq!(got.len(), 3);
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.key, w.key);
+            assert_eq!(g.url, &*w.url);
+            let wf: Vec<(String, Bytes)> = w
+                .fields
+                .iter()
+                .map(|(n, d)| (n.to_string(), d.clone()))
+                .collect();
+            assert_eq!(g.fields, wf);
+        }
+    }
+
+    #[test]
+    fn batches_are_cut_by_size() {
+        let u: Arc<str> = Arc::from("u");
+        let mut q: VecDeque<Sample> = (0..30)
+            .map(|i| sample(&format!("k{i}"), &u, &[("bin", 100_000)]))
+            .collect();
+        let (_, first) = encode_batch(&mut q).unwrap();
+        assert_eq!(first.len(), BATCH_TARGET_BYTES / 100_003);
+        // One sample bigger than the target still travels, alone.
+        let mut q: VecDeque<Sample> = (0..2)
+            .map(|i| sample(&format!("k{i}"), &u, &[("bin", 3 << 20)]))
+            .collect();
+        assert_eq!(encode_batch(&mut q).unwrap().1.len(), 1);
+    }
+
+    #[test]
+    fn preamble_roundtrip() {
+        assert_eq!(parse_preamble(&preamble()), Some(VERSION));
+        assert_eq!(parse_preamble(b"GET / HT"), None);
+    }
+}

@@ -1,0 +1,268 @@
+//! The Unix-socket server: accepts connections (bounded by `server.max_connections`), runs the
+//! handshake under a time limit, and serves one stream per connection.
+//!
+//! `run` is handed an already-bound listener and a shutdown token, so tests (and `demo`) run
+//! the real server on a temp socket in-process. Every failure a client can cause or meet ends
+//! in an ERROR frame with a clear message, and only that connection is affected.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::config::Config;
+use crate::plan::{self, StreamRequest};
+use crate::protocol::{self, ErrorFrame, Kind, Request, Start};
+use crate::stream::{self, StreamContext, StreamError};
+
+/// How long shutdown waits for connections to say goodbye.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Upper bound on writing an ERROR frame to a client that may not be reading.
+const ERROR_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Everything a connection needs.
+pub struct Daemon {
+    pub config: Config,
+    pub streams: StreamContext,
+}
+
+pub async fn run(listener: UnixListener, daemon: Arc<Daemon>, shutdown: CancellationToken) {
+    let permits = Arc::new(Semaphore::new(daemon.config.max_connections));
+    let tracker = TaskTracker::new();
+    let metrics = daemon.streams.metrics.clone();
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        let socket = match accepted {
+            Ok((socket, _)) => socket,
+            Err(e) => {
+                // Typically EMFILE: back off instead of spinning; existing streams go on.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => continue,
+                }
+            }
+        };
+        match permits.clone().try_acquire_owned() {
+            Ok(permit) => {
+                metrics.connections_total.inc();
+                tracker.spawn(handle(socket, daemon.clone(), shutdown.clone(), permit));
+            }
+            Err(_) => {
+                metrics.connections_rejected_total.inc();
+                let mut reply = protocol::preamble().to_vec();
+                reply.extend(protocol::json_frame(
+                    Kind::Error,
+                    &ErrorFrame {
+                        code: "busy".into(),
+                        message: format!(
+                            "the daemon already serves server.max_connections = {} connections",
+                            daemon.config.max_connections
+                        ),
+                    },
+                ));
+                // A fresh socket's buffer takes this small reply without blocking.
+                let _ = socket.try_write(&reply);
+            }
+        }
+    }
+    tracker.close();
+    if tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after the drain timeout; closing them");
+    }
+}
+
+/// Why a connection ends with an ERROR frame.
+struct Refusal {
+    code: &'static str,
+    message: String,
+}
+
+fn refuse(code: &'static str, message: impl Into<String>) -> Refusal {
+    Refusal {
+        code,
+        message: message.into(),
+    }
+}
+
+async fn handle(
+    socket: UnixStream,
+    daemon: Arc<Daemon>,
+    shutdown: CancellationToken,
+    _permit: OwnedSemaphorePermit,
+) {
+    let metrics = &daemon.streams.metrics;
+    metrics.connections_active.inc();
+    let (mut rd, mut wr) = socket.into_split();
+    let outcome = serve(&mut rd, &mut wr, &daemon, &shutdown).await;
+    if let Err(r) = outcome {
+        let frame = protocol::json_frame(
+            Kind::Error,
+            &ErrorFrame {
+                code: r.code.into(),
+                message: r.message,
+            },
+        );
+        let _ = tokio::time::timeout(ERROR_WRITE_TIMEOUT, wr.write_all(&frame)).await;
+    }
+    metrics.connections_active.dec();
+}
+
+async fn serve(
+    rd: &mut tokio::net::unix::OwnedReadHalf,
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    daemon: &Daemon,
+    shutdown: &CancellationToken,
+) -> Result<(), Refusal> {
+    let config = &daemon.config;
+    let req = match tokio::time::timeout(config.handshake_timeout, handshake(rd, wr)).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(refuse(
+                "bad_handshake",
+                format!(
+                    "no complete request within server.handshake_timeout ({:?})",
+                    config.handshake_timeout
+                ),
+            ));
+        }
+    };
+    let dataset = config.datasets.get(&req.dataset).ok_or_else(|| {
+        let known: Vec<&str> = config.datasets.keys().map(String::as_str).collect();
+        refuse(
+            "unknown_dataset",
+            format!(
+                "unknown dataset {:?}; this daemon serves: {}",
+                req.dataset,
+                known.join(", ")
+            ),
+        )
+    })?;
+    let stream_req = StreamRequest {
+        seed: req.seed,
+        epoch: req.epoch,
+        rank: req.rank,
+        world_size: req.world_size,
+        worker: req.worker,
+        num_workers: req.num_workers,
+    };
+    let plan = plan::plan_stream(dataset.shards.len(), config.host, &stream_req)
+        .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
+    let span = tracing::info_span!(
+        "stream",
+        dataset = %req.dataset,
+        epoch = req.epoch,
+        rank = req.rank,
+        worker = req.worker,
+        shards = plan.shards.len(),
+    );
+    let start = Start {
+        dataset: dataset.name.clone(),
+        shards: plan.shards.len(),
+        host: config.host.index,
+        hosts: config.host.count,
+    };
+    protocol::write_json(wr, Kind::Start, &start)
+        .await
+        .map_err(|e| refuse("client_gone", e.to_string()))?;
+
+    let metrics = &daemon.streams.metrics;
+    metrics.streams_active.inc();
+    let result = tokio::select! {
+        r = stream::pump(&daemon.streams, dataset, plan, wr).instrument(span.clone()) => Some(r),
+        _ = client_gone(rd) => None,
+        _ = shutdown.cancelled() => {
+            metrics.streams_active.dec();
+            metrics.streams_total.with_label_values(&["cancelled"]).inc();
+            return Err(refuse("shutdown", "the daemon is shutting down"));
+        }
+    };
+    metrics.streams_active.dec();
+    let _enter = span.enter();
+    match result {
+        Some(Ok(end)) => {
+            metrics
+                .streams_total
+                .with_label_values(&["completed"])
+                .inc();
+            tracing::debug!(samples = end.samples, bytes = end.bytes, "stream completed");
+            let _ = protocol::write_json(wr, Kind::End, &end).await;
+            Ok(())
+        }
+        None | Some(Err(StreamError::Client(_))) => {
+            metrics
+                .streams_total
+                .with_label_values(&["cancelled"])
+                .inc();
+            tracing::debug!("client left mid-stream");
+            Ok(())
+        }
+        Some(Err(e)) => {
+            metrics.streams_total.with_label_values(&["failed"]).inc();
+            tracing::warn!(error = %e, "stream failed");
+            Err(refuse("stream_failed", e.to_string()))
+        }
+    }
+}
+
+/// Reads the client's preamble and REQUEST, answering with ours in between.
+async fn handshake(
+    rd: &mut tokio::net::unix::OwnedReadHalf,
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+) -> Result<Request, Refusal> {
+    let io = |e: std::io::Error| refuse("bad_handshake", format!("reading the handshake: {e}"));
+    let mut theirs = [0u8; protocol::PREAMBLE_LEN];
+    rd.read_exact(&mut theirs).await.map_err(io)?;
+    wr.write_all(&protocol::preamble()).await.map_err(io)?;
+    let version = protocol::parse_preamble(&theirs).ok_or_else(|| {
+        refuse(
+            "bad_handshake",
+            "not a shardd client: a connection must start with \"SHARDD\" and a protocol version (see proto/PROTOCOL.md)",
+        )
+    })?;
+    if version != protocol::VERSION {
+        return Err(refuse(
+            "unsupported_version",
+            format!(
+                "client speaks protocol {version}; this daemon speaks {}",
+                protocol::VERSION
+            ),
+        ));
+    }
+    let (kind, body) = protocol::read_frame(rd, protocol::MAX_CLIENT_FRAME)
+        .await
+        .map_err(|e| refuse("bad_request", format!("reading the request: {e}")))?;
+    if kind != Kind::Request as u8 {
+        return Err(refuse(
+            "bad_request",
+            format!("expected a REQUEST frame (kind 1), got kind {kind}"),
+        ));
+    }
+    let req: Request = serde_json::from_slice(&body)
+        .map_err(|e| refuse("bad_request", format!("invalid request: {e}")))?;
+    if req.op != "stream" {
+        return Err(refuse(
+            "bad_request",
+            format!("unknown op {:?}; protocol 1 has \"stream\"", req.op),
+        ));
+    }
+    Ok(req)
+}
+
+/// Resolves when the client closes its side or sends anything after its request (which
+/// protocol 1 does not allow): either way the stream has no reader left to serve.
+async fn client_gone(rd: &mut tokio::net::unix::OwnedReadHalf) {
+    let mut buf = [0u8; 64];
+    let _ = rd.read(&mut buf).await;
+}
