@@ -48,6 +48,9 @@ fn expand_into(pattern: &str, out: &mut Vec<String>) -> Result<(), BraceError> {
     };
     let mut tails = Vec::new();
     expand_into(suffix, &mut tails)?;
+    if alternatives.len().saturating_mul(tails.len()) > MAX_EXPANSION {
+        return Err(BraceError::TooMany);
+    }
     for alt in alternatives {
         let mut heads = Vec::new();
         expand_into(&format!("{prefix}{alt}"), &mut heads)?;

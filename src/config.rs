@@ -418,6 +418,35 @@ mod tests {
         assert_eq!(d.shards[3].as_str(), "/data/train-3.tar");
     }
 
+    /// config.example.toml claims to show every default: hold it to that.
+    #[test]
+    fn example_config_shows_the_defaults() {
+        let text = include_str!("../config.example.toml");
+        let example = Config::parse(text, Path::new("/etc/shardd")).unwrap();
+        let defaults = Config::parse(
+            "[datasets.train]\nshards = \"gs://bucket/imagenet/train-{000000..000639}.tar\"",
+            Path::new("/etc/shardd"),
+        )
+        .unwrap();
+        assert_eq!(format!("{example:?}"), format!("{defaults:?}"));
+        // The commented-out sections parse too, with the values they show.
+        let uncommented: String = text
+            .lines()
+            .map(|l| {
+                l.strip_prefix('#')
+                    .filter(|r| !r.starts_with([' ', '#']) && !r.is_empty())
+                    .unwrap_or(l)
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let full = Config::parse(&uncommented, Path::new("/etc/shardd")).unwrap();
+        assert_eq!(
+            full.gcs.unwrap().endpoint.as_deref(),
+            Some("http://127.0.0.1:4443")
+        );
+        assert_eq!(full.s3.unwrap().region.as_deref(), Some("us-east-1"));
+    }
+
     #[test]
     fn unknown_keys_are_errors() {
         let text = format!("{MINIMAL}\n[cache]\nmax_sise = \"1GiB\"\n");

@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use shardd::config::Config;
 use shardd::protocol::Request;
@@ -56,8 +55,19 @@ enum Command {
     Demo,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line with the whole cause chain: what an operator reads in the journal.
+            eprintln!("shardd: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SHARDD_LOG")
@@ -133,9 +143,7 @@ fn check(path: &std::path::Path) -> anyhow::Result<()> {
 
 async fn cat(socket: PathBuf, req: Request, limit: Option<u64>) -> anyhow::Result<()> {
     use std::io::Write;
-    let mut stream = shardd::client::SampleStream::open(&socket, &req)
-        .await
-        .with_context(|| format!("dataset {:?}", req.dataset))?;
+    let mut stream = shardd::client::SampleStream::open(&socket, &req).await?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let mut count = 0u64;

@@ -32,6 +32,8 @@ pub const BATCH_MAX_SAMPLES: usize = 4096;
 const INLINE_MAX: usize = 4096;
 /// Keeps one batch within the kernel's iovec limit (IOV_MAX = 1024).
 const MAX_PARTS: usize = 960;
+/// n_samples, n_words, n_names, n_urls, payload_offset, max_piece: six u32.
+pub const BATCH_HEADER_LEN: usize = 24;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -201,13 +203,22 @@ pub fn encode_batch(
         }
     }
 
-    let mut head = BytesMut::with_capacity(HEADER_LEN + 16 + words.len() * 4 + 256);
+    let tables: usize = names.iter().chain(urls.iter()).map(|t| 4 + t.len()).sum();
+    let payload_offset = BATCH_HEADER_LEN + tables + 4 * words.len();
+    let max_piece = batch
+        .iter()
+        .flat_map(|s| std::iter::once(s.key.len()).chain(s.fields.iter().map(|(_, d)| d.len())))
+        .max()
+        .unwrap_or(0);
+    let mut head = BytesMut::with_capacity(HEADER_LEN + payload_offset + 4096);
     head.put_u32_le(0); // body length, patched below
     head.put_u8(Kind::Batch as u8);
     head.put_u32_le(batch.len() as u32);
     head.put_u32_le(words.len() as u32);
     head.put_u32_le(names.len() as u32);
     head.put_u32_le(urls.len() as u32);
+    head.put_u32_le(payload_offset as u32);
+    head.put_u32_le(max_piece as u32);
     for t in names.iter().chain(urls.iter()) {
         head.put_u32_le(t.len() as u32);
         head.put_slice(t.as_bytes());
@@ -215,6 +226,7 @@ pub fn encode_batch(
     for w in &words {
         head.put_u32_le(*w);
     }
+    debug_assert_eq!(head.len(), HEADER_LEN + payload_offset);
 
     // Payload: small pieces are appended to the running inline buffer, big ones go as-is.
     let mut out = Vec::with_capacity(parts + 1);
@@ -264,7 +276,7 @@ pub struct ReceivedSample {
 pub fn decode_batch(body: Bytes) -> Result<Vec<ReceivedSample>, String> {
     let short = || "batch frame is shorter than its header says".to_string();
     let mut b = body.clone();
-    if b.remaining() < 16 {
+    if b.remaining() < BATCH_HEADER_LEN {
         return Err(short());
     }
     let (n, n_words, n_names, n_urls) = (
@@ -273,6 +285,7 @@ pub fn decode_batch(body: Bytes) -> Result<Vec<ReceivedSample>, String> {
         b.get_u32_le(),
         b.get_u32_le(),
     );
+    let (_payload_offset, _max_piece) = (b.get_u32_le(), b.get_u32_le());
     let mut table = |count: u32| -> Result<Vec<String>, String> {
         (0..count)
             .map(|_| {
@@ -364,7 +377,13 @@ mod tests {
         let len = u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize;
         assert_eq!(len, frame.len() - HEADER_LEN);
         assert_eq!(frame[4], Kind::Batch as u8);
-        let got = decode_batch(Bytes::from(frame[HEADER_LEN..].to_vec())).unwrap();
+        let body = &frame[HEADER_LEN..];
+        let word =
+            |i: usize| u32::from_le_bytes(body[4 * i..4 * i + 4].try_into().unwrap()) as usize;
+        assert_eq!(word(5), 100_000, "max_piece");
+        let payload: usize = want.iter().map(Sample::payload_len).sum();
+        assert_eq!(word(4), body.len() - payload, "payload_offset");
+        let got = decode_batch(Bytes::from(body.to_vec())).unwrap();
         assert_eq!(got.len(), 3);
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.key, w.key);

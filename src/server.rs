@@ -104,6 +104,7 @@ async fn handle(
 ) {
     let metrics = &daemon.streams.metrics;
     metrics.connections_active.inc();
+    set_send_buffer(&socket, SEND_BUFFER);
     let (mut rd, mut wr) = socket.into_split();
     let outcome = serve(&mut rd, &mut wr, &daemon, &shutdown).await;
     if let Err(r) = outcome {
@@ -114,7 +115,21 @@ async fn handle(
                 message: r.message,
             },
         );
-        let _ = tokio::time::timeout(ERROR_WRITE_TIMEOUT, wr.write_all(&frame)).await;
+        // Lingering close: closing a socket with unread input resets the connection, and the
+        // reset can destroy the ERROR frame before the client reads it. So send it, shut our
+        // side, and discard what the client still sends (bounded in time and bytes).
+        let _ = tokio::time::timeout(ERROR_WRITE_TIMEOUT, async {
+            wr.write_all(&frame).await?;
+            wr.shutdown().await?;
+            let mut sink = [0u8; 4096];
+            for _ in 0..16 {
+                if rd.read(&mut sink).await? == 0 {
+                    break;
+                }
+            }
+            std::io::Result::Ok(())
+        })
+        .await;
     }
     metrics.connections_active.dec();
 }
@@ -265,4 +280,27 @@ async fn handshake(
 async fn client_gone(rd: &mut tokio::net::unix::OwnedReadHalf) {
     let mut buf = [0u8; 64];
     let _ = rd.read(&mut buf).await;
+}
+
+/// Socket send buffer asked for each connection (the kernel caps it at net.core.wmem_max).
+/// A larger buffer means fewer, larger socket buffers per batch and fewer wake-ups of the
+/// trainer: measurably more throughput for 100 KB samples.
+const SEND_BUFFER: usize = 4 << 20;
+
+fn set_send_buffer(socket: &UnixStream, bytes: usize) {
+    use std::os::fd::AsRawFd;
+    let value = bytes as libc::c_int;
+    // SAFETY: a valid fd and a correctly sized c_int option value.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "SO_SNDBUF not set");
+    }
 }

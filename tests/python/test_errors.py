@@ -1,0 +1,178 @@
+"""Bad input gets a clear error, and the daemon keeps serving everyone else."""
+
+import json
+import socket
+import struct
+import subprocess
+
+import pytest
+import shardd
+
+from conftest import SHARDD, TESTDATA, gcs_config, wait_for
+
+
+@pytest.fixture
+def daemon(make_daemon, fake_gcs):
+    return make_daemon(gcs_config(fake_gcs))
+
+
+def still_serves(d):
+    with shardd.Client(d.socket) as c:
+        assert len(list(c.stream("train", epoch=0, rank=0, world_size=1))) > 100
+
+
+@pytest.mark.parametrize(
+    "dataset, kw, code, message",
+    [
+        ("trian", dict(rank=0, world_size=1), "unknown_dataset",
+         'unknown dataset "trian"; this daemon serves: missing, mixed, notatar, train, truncated'),
+        ("train", dict(rank=4, world_size=4), "bad_topology",
+         'dataset "train": rank 4 must be less than world_size 4'),
+        ("train", dict(rank=0, world_size=2, worker=2, num_workers=2), "bad_topology",
+         'dataset "train": worker 2 must be less than num_workers 2'),
+    ],
+)
+def test_refused_requests(daemon, dataset, kw, code, message):
+    with shardd.Client(daemon.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            c.stream(dataset, epoch=0, **kw)
+    assert e.value.code == code
+    assert str(e.value) == message
+    still_serves(daemon)
+
+
+def test_rank_on_another_host(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs, host_index=1, host_count=2))
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError, match=r"rank 0 is not on this host: host 1 of 2 serves ranks 4..=7"):
+            c.stream("train", epoch=0, rank=0, world_size=8)
+        with pytest.raises(shardd.DaemonError, match="world_size 3 is not divisible by the host count 2"):
+            c.stream("train", epoch=0, rank=0, world_size=3)
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        ("missing", "gs://bkt/nope/gone.tar: object not found"),
+        ("notatar", "gs://bkt/bad/notatar.tar: not a valid tar file"),
+        ("truncated", "gs://bkt/bad/truncated.tar: truncated: member"),
+    ],
+)
+def test_bad_shards_name_the_url(daemon, dataset, message):
+    with shardd.Client(daemon.socket) as c:
+        stream = c.stream(dataset, epoch=0, rank=0, world_size=1)
+        with pytest.raises(shardd.DaemonError) as e:
+            list(stream)
+    assert e.value.code == "stream_failed"
+    assert message in str(e.value)
+    still_serves(daemon)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs: a disk that fills up for real."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_full_disk_is_an_error_naming_the_shard(make_daemon, fake_gcs, small_disk):
+    local = f'[datasets.local]\nshards = "{TESTDATA / "mpdata.tar"}"\n'
+    d = make_daemon(gcs_config(fake_gcs, extra=local), cache_dir=small_disk)
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            list(c.stream("train", epoch=0, rank=0, world_size=1))
+    assert e.value.code == "stream_failed"
+    assert "writing to the cache: No space left on device" in str(e.value)
+    assert "gs://bkt/train/train-0000" in str(e.value)
+    # Failed downloads leave no file behind, and other streams are served.
+    wait_for(lambda: d.metric("shardd_downloads_active") == 0, "downloads to end")
+    assert list((small_disk / "tmp").iterdir()) == []
+    with shardd.Client(d.socket) as c:
+        assert len(list(c.stream("local", epoch=0, rank=0, world_size=1))) == 100
+
+
+def raw_exchange(path, data):
+    """Sends raw bytes, returns everything the daemon answers until it closes."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(path))
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def error_frame(reply):
+    assert reply[:8] == b"SHARDD\x01\x00", reply[:8]
+    length, kind = struct.unpack_from("<IB", reply, 8)
+    assert kind == 5, f"kind {kind}"
+    return json.loads(reply[13 : 13 + length])
+
+
+@pytest.mark.parametrize(
+    "data, code, message",
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad_handshake", "not a shardd client"),
+        (b"SHARDD\x07\x00", "unsupported_version", "client speaks protocol 7; this daemon speaks 1"),
+        (b"SHARDD\x01\x00" + struct.pack("<IB", 1 << 30, 1), "bad_request", "over the limit of 65536"),
+        (b"SHARDD\x01\x00" + struct.pack("<IB", 5, 1) + b"hello", "bad_request", "invalid request"),
+        (b"SHARDD\x01\x00" + struct.pack("<IB", 2, 3) + b"{}", "bad_request", "expected a REQUEST frame"),
+    ],
+)
+def test_garbage_gets_an_error_frame(daemon, data, code, message):
+    err = error_frame(raw_exchange(daemon.socket, data))
+    assert err["code"] == code
+    assert message in err["message"]
+    still_serves(daemon)
+
+
+def test_client_vanishing_mid_stream(daemon):
+    with shardd.Client(daemon.socket) as c:
+        stream = c.stream("train", epoch=0, rank=0, world_size=1)
+        next(stream)
+        stream.close()
+    wait_for(lambda: daemon.metric("shardd_streams_active") == 0, "the stream to end")
+    assert daemon.metric('shardd_streams_total{outcome="cancelled"}') >= 1
+    still_serves(daemon)
+
+
+def test_killed_daemon_is_an_error_then_restart_serves(daemon):
+    with shardd.Client(daemon.socket) as c:
+        stream = c.stream("train", epoch=0, rank=0, world_size=1)
+        next(stream)
+        daemon.kill()
+        with pytest.raises(shardd.ProtocolError, match="closed the connection mid-stream"):
+            list(stream)
+    daemon.start()  # replaces the stale socket file left by the killed process
+    still_serves(daemon)
+
+
+def test_check_lists_shards_and_rejects_bad_configs(tmp_path, fake_gcs):
+    good = tmp_path / "good.toml"
+    good.write_text(gcs_config(fake_gcs))
+    out = subprocess.run([SHARDD, "check", "--config", str(good)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "dataset train: 12 shards, first gs://bkt/train/train-000000.tar, "
+        "last gs://bkt/train/train-000011.tar, shuffle_buffer 25"
+    ) in out.stdout
+
+    for body, message in [
+        (gcs_config(fake_gcs) + "[server]\nsokcet = \"/x\"\n", "unknown field `sokcet`"),
+        ('[datasets.d]\nshards = "http://x/a.tar"\n', 'unsupported scheme "http"'),
+        ('[datasets.d]\nshards = "gs://b/a-{0..3.tar"\n', "unbalanced braces"),
+        ("[host]\nindex = 3\ncount = 2\n[datasets.d]\nshards = \"/a.tar\"\n", "host.index 3 must be less than host.count 2"),
+    ]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(body)
+        out = subprocess.run([SHARDD, "check", "--config", str(bad)], capture_output=True, text=True)
+        assert out.returncode == 1
+        assert message in out.stderr, out.stderr
+        assert out.stderr.startswith("shardd: error:"), out.stderr
+        assert "backtrace" not in out.stderr.lower() and "panicked" not in out.stderr
