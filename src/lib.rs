@@ -15,6 +15,7 @@
 //! | shuffle | `shuffle.rs` | seeded generator; windowed sample shuffle |
 //! | stream | `stream.rs` | one stream: prefetch → parse → shuffle → batch frames |
 //! | protocol | `protocol.rs` | frames of `proto/PROTOCOL.md`, shared by server and client |
+//! | sink | `sink.rs` | writes frames; shard pages go to the socket by reference (splice) |
 //! | server | `server.rs` | Unix socket: accept, handshake, one stream per connection |
 //! | client | `client.rs` | Rust client (used by `cat`, `demo`, tests) |
 //! | metrics, http | `metrics.rs`, `http.rs` | Prometheus registry; `/metrics`, `/healthz`, `/readyz` |
@@ -36,5 +37,6 @@ pub mod protocol;
 pub mod server;
 pub mod shard;
 pub mod shuffle;
+pub mod sink;
 pub mod store;
 pub mod stream;

@@ -6,8 +6,6 @@
 //! `struct.unpack_from` and slices, and so that the daemon sends field data straight out of
 //! the shard's bytes with vectored writes.
 
-use std::io::IoSlice;
-
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -144,25 +142,29 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     Ok((header[4], body.freeze()))
 }
 
-/// Writes all parts with vectored writes (the kernel gathers them; nothing is copied here).
-pub async fn write_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[Bytes]) -> std::io::Result<()> {
-    let mut slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
-    let mut rest = &mut slices[..];
-    while !rest.is_empty() {
-        let n = w.write_vectored(rest).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
+/// One piece of an encoded frame, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Part {
+    /// Bytes built for this frame (headers, small pieces copied together).
+    Inline(Bytes),
+    /// A slice of a shard's bytes: memory-mapped file pages, which the sink may hand to the
+    /// kernel by reference instead of copying (see `sink.rs`).
+    Mapped(Bytes),
+}
+
+impl Part {
+    pub fn bytes(&self) -> &Bytes {
+        match self {
+            Part::Inline(b) | Part::Mapped(b) => b,
         }
-        IoSlice::advance_slices(&mut rest, n);
     }
-    w.flush().await
 }
 
 /// Takes samples from the front of `samples` for one batch (at least one) and encodes them as
 /// a BATCH frame: a list of parts to write in order.
 pub fn encode_batch(
     samples: &mut std::collections::VecDeque<Sample>,
-) -> Result<(Vec<Bytes>, Vec<Sample>), String> {
+) -> Result<(Vec<Part>, Vec<Sample>), String> {
     let mut batch = Vec::new();
     let (mut payload, mut parts) = (0usize, 1usize);
     while let Some(s) = samples.front() {
@@ -210,8 +212,10 @@ pub fn encode_batch(
         .flat_map(|s| std::iter::once(s.key.len()).chain(s.fields.iter().map(|(_, d)| d.len())))
         .max()
         .unwrap_or(0);
+    let body_len = u32::try_from(payload_offset + payload)
+        .map_err(|_| "a batch frame is over the protocol's 4 GiB limit".to_string())?;
     let mut head = BytesMut::with_capacity(HEADER_LEN + payload_offset + 4096);
-    head.put_u32_le(0); // body length, patched below
+    head.put_u32_le(body_len);
     head.put_u8(Kind::Batch as u8);
     head.put_u32_le(batch.len() as u32);
     head.put_u32_le(words.len() as u32);
@@ -235,22 +239,16 @@ pub fn encode_batch(
         inline.put_slice(s.key.as_bytes());
         for (_, data) in &s.fields {
             if data.len() > INLINE_MAX {
-                out.push(std::mem::take(&mut inline).freeze());
-                out.push(data.clone());
+                out.push(Part::Inline(std::mem::take(&mut inline).freeze()));
+                out.push(Part::Mapped(data.clone()));
             } else {
                 inline.put_slice(data);
             }
         }
     }
     if !inline.is_empty() {
-        out.push(inline.freeze());
+        out.push(Part::Inline(inline.freeze()));
     }
-    let total: usize = out.iter().map(Bytes::len).sum();
-    let body_len = u32::try_from(total - HEADER_LEN)
-        .map_err(|_| "a batch frame is over the protocol's 4 GiB limit".to_string())?;
-    let mut first = BytesMut::from(&out[0][..]);
-    first[..4].copy_from_slice(&body_len.to_le_bytes());
-    out[0] = first.freeze();
     Ok((out, batch))
 }
 
@@ -373,7 +371,7 @@ mod tests {
         let (parts, sent) = encode_batch(&mut q).unwrap();
         assert!(q.is_empty());
         assert_eq!(sent, want);
-        let frame: Vec<u8> = parts.concat();
+        let frame: Vec<u8> = parts.iter().flat_map(|p| p.bytes().to_vec()).collect();
         let len = u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize;
         assert_eq!(len, frame.len() - HEADER_LEN);
         assert_eq!(frame[4], Kind::Batch as u8);

@@ -18,6 +18,7 @@ use tracing::Instrument;
 use crate::config::Config;
 use crate::plan::{self, StreamRequest};
 use crate::protocol::{self, ErrorFrame, Kind, Request, Start};
+use crate::sink::Sink;
 use crate::stream::{self, StreamContext, StreamError};
 
 /// How long shutdown waits for connections to say goodbye.
@@ -194,13 +195,18 @@ async fn serve(
 
     let metrics = &daemon.streams.metrics;
     metrics.streams_active.inc();
+    let mut sink = Sink::new();
     let result = tokio::select! {
-        r = stream::pump(&daemon.streams, dataset, plan, wr).instrument(span.clone()) => Some(r),
+        r = stream::pump(&daemon.streams, dataset, plan, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
         _ = client_gone(rd) => None,
         _ = shutdown.cancelled() => {
             metrics.streams_active.dec();
             metrics.streams_total.with_label_values(&["cancelled"]).inc();
-            return Err(refuse("shutdown", "the daemon is shutting down"));
+            // A frame cut off mid-way cannot be followed by an ERROR frame: just close.
+            return match sink.torn() {
+                true => Ok(()),
+                false => Err(refuse("shutdown", "the daemon is shutting down")),
+            };
         }
     };
     metrics.streams_active.dec();

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::io::AsyncWrite;
+use tokio::net::UnixStream;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::cache::{Cache, FetchError};
@@ -17,6 +17,7 @@ use crate::plan::StreamPlan;
 use crate::protocol::{self, End};
 use crate::shard::{self, Sample, ShardError};
 use crate::shuffle::WindowShuffle;
+use crate::sink::Sink;
 use crate::store::Stores;
 
 #[derive(Debug, thiserror::Error)]
@@ -41,11 +42,12 @@ pub struct StreamContext {
 }
 
 /// Serves one stream to `out`; returns the END summary once every sample is written.
-pub async fn pump<W: AsyncWrite + Unpin>(
+pub async fn pump(
     ctx: &StreamContext,
     dataset: &Dataset,
     plan: StreamPlan,
-    out: &mut W,
+    sock: &UnixStream,
+    sink: &mut Sink,
 ) -> Result<End, StreamError> {
     let mut loader = ShardLoader {
         ctx,
@@ -81,9 +83,7 @@ pub async fn pump<W: AsyncWrite + Unpin>(
         let mut window: VecDeque<Sample> = window.into();
         while !window.is_empty() {
             let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
-            protocol::write_parts(out, &parts)
-                .await
-                .map_err(StreamError::Client)?;
+            sink.send(sock, &parts).await.map_err(StreamError::Client)?;
             let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
             end.samples += sent.len() as u64;
             end.bytes += bytes;
