@@ -21,16 +21,24 @@ const SAMPLES_PER_SHARD: usize = 250;
 const WORLD_SIZE: u32 = 4;
 const NUM_WORKERS: u32 = 2;
 
+/// Random bytes that sample payloads are cut from.
+fn pool() -> &'static [u8] {
+    static POOL: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let mut rng = SplitMix64::new(0);
+        (0..(1 << 17))
+            .flat_map(|_| rng.next_u64().to_le_bytes())
+            .collect()
+    })
+}
+
 /// The fields of sample `i`, derived from `i` alone so the reader can check every byte.
 fn fields_of(i: usize) -> Vec<(&'static str, Vec<u8>)> {
     let mut rng = SplitMix64::new(i as u64);
     let len = 8_000 + rng.below(56_000) as usize;
-    let jpg: Vec<u8> = (0..len.div_ceil(8))
-        .flat_map(|_| rng.next_u64().to_le_bytes())
-        .take(len)
-        .collect();
+    let at = rng.below((pool().len() - len) as u64) as usize;
     vec![
-        ("jpg", jpg),
+        ("jpg", pool()[at..at + len].to_vec()),
         ("cls", (i % 1000).to_string().into_bytes()),
         ("json", format!("{{\"index\": {i}}}").into_bytes()),
     ]

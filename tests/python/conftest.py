@@ -23,6 +23,12 @@ DEADLINE = 30.0
 
 BUCKET = "bkt"
 TRAIN_SHARDS = 12
+BIG_SHARDS = 6
+BIG_SAMPLE = 8 << 20  # larger than the socket buffers: a reader that stops blocks the daemon
+
+
+def big_payload(i):
+    return bytes([i]) * 1000 + random.Random(i).randbytes(BIG_SAMPLE - 1000)
 
 
 def wait_for(condition, what, timeout=DEADLINE):
@@ -100,6 +106,11 @@ def shard_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("gcs-data")
     paths = write_train_shards(root / BUCKET / "train")
     write_mixed_shards(root / BUCKET / "mixed")
+    big = root / BUCKET / "big"
+    big.mkdir()
+    for i in range(BIG_SHARDS):
+        with wds.TarWriter(str(big / f"big-{i}.tar")) as sink:
+            sink.write({"__key__": f"big{i}", "bin": big_payload(i)})
     bad = root / BUCKET / "bad"
     bad.mkdir()
     (bad / "notatar.tar").write_bytes(random.Random(1).randbytes(5000))
@@ -156,7 +167,7 @@ def fake_gcs(shard_dir, tmp_path_factory):
 class Daemon:
     """A `shardd serve` process with its own config, socket and cache."""
 
-    def __init__(self, workdir, config_body, name="shardd", cache_dir=None):
+    def __init__(self, workdir, config_body, name="shardd", cache_dir=None, cache=""):
         self.dir = pathlib.Path(workdir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         cache_dir = cache_dir or self.dir / "cache"
@@ -165,7 +176,7 @@ class Daemon:
         self.config = self.dir / "config.toml"
         self.config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmetrics_addr = "127.0.0.1:{self.metrics_port}"\n'
-            f'[cache]\ndir = "{cache_dir}"\n' + config_body
+            f'[cache]\ndir = "{cache_dir}"\n{cache}\n' + config_body
         )
         self.log_path = self.dir / "shardd.log"
         self.proc = None
@@ -199,11 +210,11 @@ class Daemon:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
-    def stop(self):
-        """SIGTERM; the daemon must exit 0 and remove its socket."""
+    def stop(self, sig=signal.SIGTERM):
+        """SIGTERM (or another signal); the daemon must exit 0 and remove its socket."""
         if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(sig)
         code = self.proc.wait(timeout=DEADLINE)
         self.proc = None
         self.log.close()
@@ -221,8 +232,8 @@ class Daemon:
 def make_daemon(tmp_path):
     daemons = []
 
-    def make(config_body, name="shardd", cache_dir=None):
-        d = Daemon(tmp_path, config_body, name, cache_dir)
+    def make(config_body, name="shardd", cache_dir=None, cache=""):
+        d = Daemon(tmp_path, config_body, name, cache_dir, cache)
         daemons.append(d)
         return d
 
@@ -240,5 +251,6 @@ def gcs_config(endpoint, host_index=0, host_count=1, shuffle_buffer=25, extra=""
         f'[datasets.missing]\nshards = ["gs://{BUCKET}/train/train-000000.tar", "gs://{BUCKET}/nope/gone.tar"]\n'
         f'[datasets.notatar]\nshards = "gs://{BUCKET}/bad/notatar.tar"\n'
         f'[datasets.truncated]\nshards = "gs://{BUCKET}/bad/truncated.tar"\n'
-        f'[datasets.mixed]\nshards = "gs://{BUCKET}/mixed/mixed-{{0..2}}.tar"\nshuffle_buffer = 10\n' + extra
+        f'[datasets.mixed]\nshards = "gs://{BUCKET}/mixed/mixed-{{0..2}}.tar"\nshuffle_buffer = 10\n'
+        f'[datasets.big]\nshards = "gs://{BUCKET}/big/big-{{0..{BIG_SHARDS - 1}}}.tar"\nshuffle_buffer = 1\n' + extra
     )

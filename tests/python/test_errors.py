@@ -25,7 +25,7 @@ def still_serves(d):
     "dataset, kw, code, message",
     [
         ("trian", dict(rank=0, world_size=1), "unknown_dataset",
-         'unknown dataset "trian"; this daemon serves: missing, mixed, notatar, train, truncated'),
+         'unknown dataset "trian"; this daemon serves: big, missing, mixed, notatar, train, truncated'),
         ("train", dict(rank=4, world_size=4), "bad_topology",
          'dataset "train": rank 4 must be less than world_size 4'),
         ("train", dict(rank=0, world_size=2, worker=2, num_workers=2), "bad_topology",

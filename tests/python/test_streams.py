@@ -7,7 +7,9 @@ import subprocess
 import pytest
 import shardd
 
-from conftest import BUCKET, SHARDD, TESTDATA, gcs_config, reference_samples
+from conftest import (
+    BIG_SHARDS, BUCKET, SHARDD, TESTDATA, big_payload, gcs_config, reference_samples, wait_for,
+)
 
 
 def read_stream(socket, dataset="train", **kw):
@@ -122,3 +124,34 @@ def test_cat_prints_key_and_field_sizes(two_hosts, train_paths):
         for s in want
     ]
     assert "5 samples" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "max_size, fetched, held",
+    [
+        # Default budget: the shard being sent plus prefetch_shards = 2 ahead of it (the one
+        # already sent is released): 4 fetched, 3 held.
+        ("100GiB", 4, 3),
+        # Over budget nothing is prefetched beyond the shard needed next: 3 fetched, 2 held.
+        ("1", 3, 2),
+    ],
+)
+def test_a_reader_that_stops_stops_the_daemon(make_daemon, fake_gcs, shard_dir, max_size, fetched, held):
+    d = make_daemon(gcs_config(fake_gcs), cache=f'max_size = "{max_size}"')
+    shard_bytes = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size
+    with shardd.Client(d.socket) as c:
+        stream = c.stream("big", epoch=0, rank=0, world_size=1)
+        samples = [next(stream)]
+        # The daemon is now blocked writing the second sample to a socket nobody reads.
+        wait_for(
+            lambda: d.metric("shardd_shard_fetches_total") >= fetched
+            and d.metric("shardd_downloads_active") == 0,
+            "prefetching to settle",
+        )
+        assert d.metric("shardd_shard_fetches_total") == fetched
+        assert d.metric("shardd_cache_bytes") == held * shard_bytes
+        samples += list(stream)
+    assert sorted((s["__key__"], s["bin"]) for s in samples) == [
+        (f"big{i}", big_payload(i)) for i in range(BIG_SHARDS)
+    ]
+    wait_for(lambda: d.metric("shardd_cache_bytes") == 0, "the cache to be released")
