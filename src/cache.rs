@@ -10,12 +10,13 @@
 //! Local shards are mapped in place: they are on this disk already.
 //!
 //! `cache.max_size` is a soft limit that gates *prefetching*: a stream starts downloading
-//! ahead of need only while the cache holds less than `max_size`; the shard a stream needs
-//! now is always fetched, so streams never deadlock on each other's pinned shards. The excess
-//! is at most one shard per open stream, and open streams are bounded by
-//! `server.max_connections`. In-flight downloads are bounded by `store.max_downloads`.
+//! ahead of need only while the cache holds less than `max_size`; what a stream needs to fill
+//! its current shuffle window is always fetched, so streams never deadlock on each other's
+//! pinned shards. The excess is about `shuffle_buffer / samples per shard + 1` shards per open
+//! stream, and open streams are bounded by `server.max_connections`. In-flight downloads are
+//! bounded by `store.max_downloads`.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +45,8 @@ pub enum FetchError {
         got: u64,
         expected: u64,
     },
+    #[error("{url}: decompresses to more than cache.max_size ({limit} bytes)")]
+    TooLarge { url: String, limit: u64 },
     #[error("{url}: {what}: {source}")]
     Io {
         url: String,
@@ -143,9 +146,10 @@ impl Cache {
         let result = match source {
             Source::LocalFile(path) => {
                 let (url, this) = (url.to_string(), self.clone());
+                let what = url.clone();
                 tokio::task::spawn_blocking(move || this.map_local(&path, &url))
                     .await
-                    .expect("mapping task panicked")
+                    .unwrap_or_else(|e| Err(panicked(&what, e)))
             }
             Source::Object { store, path } => self.download(store.as_ref(), &path, url).await,
         };
@@ -174,8 +178,7 @@ impl Cache {
         url: &str,
     ) -> Result<Bytes, FetchError> {
         let _permit = self.downloads.acquire().await.expect("never closed");
-        self.metrics.downloads_active.inc();
-        let _active = scopeguard(|| self.metrics.downloads_active.dec());
+        let _active = crate::metrics::Active::new(&self.metrics.downloads_active);
         let io = |what| {
             move |source| FetchError::Io {
                 url: url.to_string(),
@@ -222,7 +225,7 @@ impl Cache {
         let (this, url_owned, fp) = (self.clone(), url.to_string(), file_path.clone());
         tokio::task::spawn_blocking(move || this.map_file(&fp, &url_owned, Some(charge)))
             .await
-            .expect("mapping task panicked")
+            .unwrap_or_else(|e| Err(panicked(url, e)))
     }
 
     fn map_local(&self, path: &Path, url: &str) -> Result<Bytes, FetchError> {
@@ -244,6 +247,17 @@ impl Cache {
         url: &str,
         charge: Option<Charge>,
     ) -> Result<Bytes, FetchError> {
+        let Some(map) = map(path, url)? else {
+            return Ok(Bytes::new());
+        };
+        if !map.starts_with(&[0x1f, 0x8b]) {
+            return Ok(Bytes::from_owner(MappedShard {
+                map,
+                _charge: charge,
+            }));
+        }
+        // Gzip: decompress once into another cache file, never more than the whole cache may
+        // hold (a gzip bomb must not fill the disk), and map that.
         let io = |what| {
             move |source| FetchError::Io {
                 url: url.to_string(),
@@ -251,34 +265,30 @@ impl Cache {
                 source,
             }
         };
-        let file = std::fs::File::open(path).map_err(io("opening the shard"))?;
-        let len = file
-            .metadata()
-            .map_err(io("reading the shard's size"))?
-            .len();
-        if len == 0 {
-            return Ok(Bytes::new());
-        }
-        // SAFETY: cache files are private to this daemon and unlinked right away; local shards
-        // are the operator's and must not be truncated while being served (see README).
-        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }
-            .map_err(io("mapping the shard"))?;
-        if map.starts_with(&[0x1f, 0x8b]) {
-            let plain = self.new_file();
-            let _unlink = scopeguard(|| {
-                let _ = std::fs::remove_file(&plain);
+        let plain = self.new_file();
+        let _unlink = scopeguard(|| {
+            let _ = std::fs::remove_file(&plain);
+        });
+        let mut out = std::fs::File::create(&plain).map_err(io("creating a cache file"))?;
+        let limit = self.budget.limit;
+        let mut decoder = flate2::read::MultiGzDecoder::new(&map[..]).take(limit.saturating_add(1));
+        let written =
+            std::io::copy(&mut decoder, &mut out).map_err(io("decompressing the gzip shard"))?;
+        if written > limit {
+            return Err(FetchError::TooLarge {
+                url: url.to_string(),
+                limit,
             });
-            let mut out = std::fs::File::create(&plain).map_err(io("creating a cache file"))?;
-            let written = std::io::copy(&mut flate2::read::MultiGzDecoder::new(&map[..]), &mut out)
-                .map_err(io("decompressing the gzip shard"))?;
-            drop((map, charge));
-            let charge = self.charge(written);
-            return self.map_file(&plain, url, Some(charge));
         }
-        Ok(Bytes::from_owner(MappedShard {
-            map,
-            _charge: charge,
-        }))
+        drop((map, charge));
+        let charge = self.charge(written);
+        match self::map(&plain, url)? {
+            Some(map) => Ok(Bytes::from_owner(MappedShard {
+                map,
+                _charge: Some(charge),
+            })),
+            None => Ok(Bytes::new()),
+        }
     }
 
     fn new_file(&self) -> PathBuf {
@@ -294,6 +304,40 @@ impl Cache {
             bytes,
             metrics: self.metrics.clone(),
         }
+    }
+}
+
+/// Maps a whole file read-only; `None` for an empty file (which cannot be mapped).
+fn map(path: &Path, url: &str) -> Result<Option<memmap2::Mmap>, FetchError> {
+    let io = |what| {
+        move |source| FetchError::Io {
+            url: url.to_string(),
+            what,
+            source,
+        }
+    };
+    let file = std::fs::File::open(path).map_err(io("opening the shard"))?;
+    if file
+        .metadata()
+        .map_err(io("reading the shard's size"))?
+        .len()
+        == 0
+    {
+        return Ok(None);
+    }
+    // SAFETY: cache files are private to this daemon and unlinked right away; local shards
+    // are the operator's and must not be modified while being served (see README).
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }
+        .map_err(io("mapping the shard"))?;
+    Ok(Some(map))
+}
+
+/// A panic in a blocking task is a bug; it fails the stream, not the daemon.
+fn panicked(url: &str, e: tokio::task::JoinError) -> FetchError {
+    FetchError::Io {
+        url: url.to_string(),
+        what: "internal error while mapping the shard",
+        source: std::io::Error::other(e.to_string()),
     }
 }
 

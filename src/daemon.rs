@@ -50,6 +50,7 @@ pub async fn run_with_stores(
     stores: Stores,
     shutdown: CancellationToken,
 ) -> Result<(), StartError> {
+    raise_fd_limit();
     let metrics = Arc::new(Metrics::new());
     let cache = Cache::open(
         &config.cache_dir,
@@ -121,4 +122,24 @@ pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
     let listener = UnixListener::bind(path).map_err(err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
     Ok(listener)
+}
+
+/// Each stream holds a socket, a pipe and shard files: lift the soft limit on open files to
+/// the hard one (1024 by default would stop a daemon with many streams long before
+/// `server.max_connections`).
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain libc calls with a valid rlimit struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            let old = lim.rlim_cur;
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
+                tracing::debug!(from = old, to = lim.rlim_max, "raised the open-files limit");
+            }
+        }
+    }
 }

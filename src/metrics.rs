@@ -95,3 +95,20 @@ impl Default for Metrics {
         Self::new()
     }
 }
+
+/// Counts one in-progress thing on a gauge for as long as it lives, so the gauge comes back
+/// down on every path out (errors, cancellation, panics).
+pub struct Active(prometheus::IntGauge);
+
+impl Active {
+    pub fn new(gauge: &prometheus::IntGauge) -> Active {
+        gauge.inc();
+        Active(gauge.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

@@ -16,6 +16,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::config::Config;
+use crate::metrics::Active;
 use crate::plan::{self, StreamRequest};
 use crate::protocol::{self, ErrorFrame, Kind, Request, Start};
 use crate::sink::Sink;
@@ -104,7 +105,7 @@ async fn handle(
     _permit: OwnedSemaphorePermit,
 ) {
     let metrics = &daemon.streams.metrics;
-    metrics.connections_active.inc();
+    let _active = Active::new(&metrics.connections_active);
     set_send_buffer(&socket, SEND_BUFFER);
     let (mut rd, mut wr) = socket.into_split();
     let outcome = serve(&mut rd, &mut wr, &daemon, &shutdown).await;
@@ -132,7 +133,6 @@ async fn handle(
         })
         .await;
     }
-    metrics.connections_active.dec();
 }
 
 async fn serve(
@@ -194,13 +194,12 @@ async fn serve(
         .map_err(|e| refuse("client_gone", e.to_string()))?;
 
     let metrics = &daemon.streams.metrics;
-    metrics.streams_active.inc();
+    let active = Active::new(&metrics.streams_active);
     let mut sink = Sink::new();
     let result = tokio::select! {
         r = stream::pump(&daemon.streams, dataset, plan, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
         _ = client_gone(rd) => None,
         _ = shutdown.cancelled() => {
-            metrics.streams_active.dec();
             metrics.streams_total.with_label_values(&["cancelled"]).inc();
             // A frame cut off mid-way cannot be followed by an ERROR frame: just close.
             return match sink.torn() {
@@ -209,7 +208,7 @@ async fn serve(
             };
         }
     };
-    metrics.streams_active.dec();
+    drop(active);
     let _enter = span.enter();
     match result {
         Some(Ok(end)) => {

@@ -34,7 +34,14 @@ pub enum ShardError {
     },
     #[error("{url}: member {member:?} is a sparse file, which shardd does not read")]
     Sparse { url: String, member: String },
+    #[error("{url}: empty file, not a tar")]
+    Empty { url: String },
+    #[error("{url}: sample {key:?} has more than {MAX_FIELDS} fields")]
+    TooManyFields { url: String, key: String },
 }
+
+/// Fields per sample the wire protocol can carry (a u16 count).
+pub const MAX_FIELDS: usize = u16::MAX as usize;
 
 /// One WebDataset sample: its key and its fields in tar order.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,10 +64,23 @@ pub fn parse(data: &Bytes, url: &Arc<str>) -> Result<Vec<Sample>, ShardError> {
     let mut samples: Vec<Sample> = Vec::new();
     // Field names repeat in every sample: share one allocation per distinct name.
     let mut names: Vec<Arc<str>> = Vec::new();
-    for member in Members::new(data) {
-        let member = member.map_err(|source| ShardError::Tar {
+    if data.is_empty() {
+        return Err(ShardError::Empty {
             url: url.to_string(),
-            source,
+        });
+    }
+    for member in Members::new(data) {
+        let member = member.map_err(|e| match e {
+            MemberError::Invalid(source) => ShardError::Tar {
+                url: url.to_string(),
+                source,
+            },
+            MemberError::Truncated { member, needed } => ShardError::Truncated {
+                url: url.to_string(),
+                member,
+                needed,
+                len: data.len(),
+            },
         })?;
         let name = String::from_utf8_lossy(&member.path);
         if member.kind.is_gnu_sparse() {
@@ -75,15 +95,6 @@ pub fn parse(data: &Bytes, url: &Arc<str>) -> Result<Vec<Sample>, ShardError> {
         let Some((key, field)) = split_name(&name) else {
             continue;
         };
-        let end = member.start as u64 + member.size;
-        if end > data.len() as u64 {
-            return Err(ShardError::Truncated {
-                url: url.to_string(),
-                member: name.into_owned(),
-                needed: end,
-                len: data.len(),
-            });
-        }
         let field = field.to_lowercase();
         let field_name = match names.iter().find(|n| ***n == *field) {
             Some(n) => n.clone(),
@@ -92,9 +103,15 @@ pub fn parse(data: &Bytes, url: &Arc<str>) -> Result<Vec<Sample>, ShardError> {
                 names.last().unwrap().clone()
             }
         };
-        let body = data.slice(member.start..end as usize);
+        let body = data.slice(member.start..member.start + member.size);
         match samples.last_mut() {
             Some(s) if s.key == key => {
+                if s.fields.len() == MAX_FIELDS {
+                    return Err(ShardError::TooManyFields {
+                        url: url.to_string(),
+                        key: key.to_string(),
+                    });
+                }
                 if s.fields.iter().any(|(n, _)| *n == field_name) {
                     return Err(ShardError::DuplicateField {
                         url: url.to_string(),
@@ -121,7 +138,7 @@ struct Member<'a> {
     path: Cow<'a, [u8]>,
     kind: tar::EntryType,
     start: usize,
-    size: u64,
+    size: usize,
 }
 
 /// Walks the 512-byte blocks of a tar held in memory, with the `tar` crate's header types.
@@ -142,7 +159,7 @@ impl<'a> Members<'a> {
         }
     }
 
-    fn next_member(&mut self) -> io::Result<Option<Member<'a>>> {
+    fn next_member(&mut self) -> Result<Option<Member<'a>>, MemberError> {
         let (mut long_name, mut pax_path, mut pax_size) = (None, None, None);
         loop {
             let rest = &self.data[self.pos..];
@@ -150,7 +167,7 @@ impl<'a> Members<'a> {
                 return Ok(None); // no end-of-archive blocks: tolerated, as tar and tarfile do
             }
             if rest.len() < BLOCK {
-                return Err(bad("the archive ends inside a header block"));
+                return Err(bad("the archive ends inside a header block").into());
             }
             let block = &rest[..BLOCK];
             if block.iter().all(|b| *b == 0) {
@@ -164,7 +181,7 @@ impl<'a> Members<'a> {
                 .sum::<u32>()
                 + 8 * 32;
             if header.cksum()? != sum {
-                return Err(bad("archive header checksum mismatch"));
+                return Err(bad("archive header checksum mismatch").into());
             }
             let kind = header.entry_type();
             let size = match pax_size.take() {
@@ -172,29 +189,32 @@ impl<'a> Members<'a> {
                 None => header.entry_size()?,
             };
             let start = self.pos + BLOCK;
-            let padded = size.div_ceil(BLOCK as u64) * BLOCK as u64;
-            self.pos = usize::try_from(start as u64 + padded)
-                .ok()
-                .filter(|end| *end <= self.data.len())
-                .unwrap_or(self.data.len());
-            let body = || -> io::Result<&'a [u8]> {
-                usize::try_from(size)
-                    .ok()
-                    .and_then(|size| self.data.get(start..start.checked_add(size)?))
-                    .ok_or_else(|| bad("the archive ends inside an extension record"))
+            let path = match pax_path.or(long_name) {
+                Some(p) => Cow::Borrowed(p),
+                None => header.path_bytes(),
             };
+            // Sizes come from the shard: check them before any arithmetic with them.
+            let available = (self.data.len() - start) as u64;
+            if size > available {
+                return Err(MemberError::Truncated {
+                    member: String::from_utf8_lossy(&path).into_owned(),
+                    needed: start as u64 + size.min(u64::MAX - start as u64),
+                });
+            }
+            let size = size as usize;
+            self.pos = (start + size.next_multiple_of(BLOCK)).min(self.data.len());
+            let body = &self.data[start..start + size];
             if kind.is_gnu_longname() {
-                let name = body()?;
-                long_name = Some(&name[..name.iter().position(|b| *b == 0).unwrap_or(name.len())]);
+                long_name = Some(&body[..body.iter().position(|b| *b == 0).unwrap_or(body.len())]);
             } else if kind.is_pax_local_extensions() {
-                for ext in tar::PaxExtensions::new(body()?) {
+                for ext in tar::PaxExtensions::new(body) {
                     let ext = ext?;
                     match ext.key_bytes() {
                         b"path" => pax_path = Some(ext.value_bytes()),
                         b"size" => {
                             pax_size = ext.value().ok().and_then(|v| v.parse().ok());
                             if pax_size.is_none() {
-                                return Err(bad("invalid PAX size record"));
+                                return Err(bad("invalid PAX size record").into());
                             }
                         }
                         _ => {}
@@ -203,10 +223,6 @@ impl<'a> Members<'a> {
             } else if kind.is_gnu_longlink() || kind.is_pax_global_extensions() {
                 // Link targets and archive-wide records say nothing about samples.
             } else {
-                let path = match pax_path.or(long_name) {
-                    Some(p) => Cow::Borrowed(p),
-                    None => header.path_bytes(),
-                };
                 return Ok(Some(Member {
                     path,
                     kind,
@@ -218,8 +234,24 @@ impl<'a> Members<'a> {
     }
 }
 
+/// Why walking a tar stopped.
+enum MemberError {
+    Invalid(io::Error),
+    /// A member's data runs past the end of the shard.
+    Truncated {
+        member: String,
+        needed: u64,
+    },
+}
+
+impl From<io::Error> for MemberError {
+    fn from(e: io::Error) -> Self {
+        MemberError::Invalid(e)
+    }
+}
+
 impl<'a> Iterator for Members<'a> {
-    type Item = io::Result<Member<'a>>;
+    type Item = Result<Member<'a>, MemberError>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.done {
@@ -389,6 +421,34 @@ mod tests {
             err.starts_with("gs://b/bad.tar: not a valid tar file"),
             "{err}"
         );
+
+        let err = parse(&Bytes::new(), &url).unwrap_err().to_string();
+        assert_eq!(err, "gs://b/bad.tar: empty file, not a tar");
+
+        // Sizes near u64::MAX (base-256 or PAX) must not wrap the walk around or panic.
+        for size in [u64::MAX, u64::MAX - 511, 1 << 40] {
+            let mut h = tar::Header::new_gnu();
+            h.set_path("noext").unwrap();
+            h.set_size(size);
+            h.set_entry_type(tar::EntryType::Regular);
+            h.set_cksum();
+            let mut data = h.as_bytes().to_vec();
+            data.extend_from_slice(&[0u8; 1024]);
+            let err = parse(&Bytes::from(data), &url).unwrap_err().to_string();
+            assert!(err.contains("truncated: member \"noext\""), "{size}: {err}");
+        }
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_pax_extensions([("size", u64::MAX.to_string().as_bytes())])
+            .unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_size(3);
+        h.set_path("k.txt").unwrap();
+        h.set_cksum();
+        b.append(&h, &b"abc"[..]).unwrap();
+        let err = parse(&Bytes::from(b.into_inner().unwrap()), &url)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("truncated: member \"k.txt\""), "{err}");
 
         let whole = tar_of(&[("k.bin", &[7u8; 5000])]);
         let cut = whole.slice(..2048);

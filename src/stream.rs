@@ -28,6 +28,9 @@ pub enum StreamError {
     Shard(#[from] ShardError),
     #[error("{0}")]
     Encode(String),
+    /// A bug (a panic in a task): fails this stream, never the daemon.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// Writing to the client failed: it is gone, there is nobody to tell.
     #[error("client connection lost: {0}")]
     Client(std::io::Error),
@@ -109,7 +112,9 @@ impl ShardLoader<'_> {
         let Some(task) = self.in_flight.pop_front() else {
             return Ok(None);
         };
-        let samples = task.await.expect("shard task panicked")?;
+        let samples = task
+            .await
+            .map_err(|e| StreamError::Internal(format!("shard task failed: {e}")))??;
         self.top_up();
         Ok(Some(samples))
     }
@@ -131,10 +136,11 @@ impl ShardLoader<'_> {
             self.in_flight
                 .push_back(AbortOnDropHandle::new(tokio::spawn(async move {
                     let bytes = cache.fetch(source, &url).await?;
-                    let samples = tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
+                    let what = url.clone();
+                    tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
                         .await
-                        .expect("tar parsing panicked")?;
-                    Ok(samples)
+                        .map_err(|e| StreamError::Internal(format!("{what}: parsing failed: {e}")))?
+                        .map_err(StreamError::from)
                 })));
         }
     }

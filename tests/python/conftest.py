@@ -83,8 +83,10 @@ def write_mixed_shards(directory):
         with wds.TarWriter(str(directory / f"mixed-{s}.tar")) as sink:
             for i in range(12):
                 big = rng.choice([0, 1, 65535, 65536, 200_000, 1_500_000])
+                # One key over the 64 KiB threshold too (a PAX path).
+                key = f"m{s}/{i:03d}" + ("k" * 70_000 if (s, i) == (2, 5) else "")
                 sink.write({
-                    "__key__": f"m{s}/{i:03d}",
+                    "__key__": key,
                     "a.bin": rng.randbytes(rng.randint(0, 3000)),
                     "big.bin": rng.randbytes(big),
                     "txt": rng.randbytes(rng.randint(0, 100)),
@@ -118,6 +120,7 @@ def shard_dir(tmp_path_factory):
     with wds.TarWriter(str(bad / "whole.tar")) as sink:
         sink.write({"__key__": "big", "bin": bytes(10000)})
     (bad / "truncated.tar").write_bytes((bad / "whole.tar").read_bytes()[:6000])
+    (bad / "empty.tar").write_bytes(b"")
     return root
 
 
@@ -251,6 +254,7 @@ def gcs_config(endpoint, host_index=0, host_count=1, shuffle_buffer=25, extra=""
         f'[datasets.missing]\nshards = ["gs://{BUCKET}/train/train-000000.tar", "gs://{BUCKET}/nope/gone.tar"]\n'
         f'[datasets.notatar]\nshards = "gs://{BUCKET}/bad/notatar.tar"\n'
         f'[datasets.truncated]\nshards = "gs://{BUCKET}/bad/truncated.tar"\n'
+        f'[datasets.empty]\nshards = "gs://{BUCKET}/bad/empty.tar"\n'
         f'[datasets.mixed]\nshards = "gs://{BUCKET}/mixed/mixed-{{0..2}}.tar"\nshuffle_buffer = 10\n'
         f'[datasets.big]\nshards = "gs://{BUCKET}/big/big-{{0..{BIG_SHARDS - 1}}}.tar"\nshuffle_buffer = 1\n' + extra
     )

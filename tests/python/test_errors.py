@@ -25,7 +25,7 @@ def still_serves(d):
     "dataset, kw, code, message",
     [
         ("trian", dict(rank=0, world_size=1), "unknown_dataset",
-         'unknown dataset "trian"; this daemon serves: big, missing, mixed, notatar, train, truncated'),
+         'unknown dataset "trian"; this daemon serves: big, empty, missing, mixed, notatar, train, truncated'),
         ("train", dict(rank=4, world_size=4), "bad_topology",
          'dataset "train": rank 4 must be less than world_size 4'),
         ("train", dict(rank=0, world_size=2, worker=2, num_workers=2), "bad_topology",
@@ -55,7 +55,8 @@ def test_rank_on_another_host(make_daemon, fake_gcs):
     [
         ("missing", "gs://bkt/nope/gone.tar: object not found"),
         ("notatar", "gs://bkt/bad/notatar.tar: not a valid tar file"),
-        ("truncated", "gs://bkt/bad/truncated.tar: truncated: member"),
+        ("truncated", "gs://bkt/bad/truncated.tar: truncated: member \"big.bin\""),
+        ("empty", "gs://bkt/bad/empty.tar: empty file, not a tar"),
     ],
 )
 def test_bad_shards_name_the_url(daemon, dataset, message):
@@ -94,6 +95,26 @@ def test_full_disk_is_an_error_naming_the_shard(make_daemon, fake_gcs, small_dis
     assert list((small_disk / "tmp").iterdir()) == []
     with shardd.Client(d.socket) as c:
         assert len(list(c.stream("local", epoch=0, rank=0, world_size=1))) == 100
+
+
+def test_gzip_bomb_is_refused(make_daemon, tmp_path):
+    import gzip
+    import io
+    import tarfile
+
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w") as t:
+        info = tarfile.TarInfo("zeros.bin")
+        info.size = 4 << 20
+        t.addfile(info, io.BytesIO(bytes(info.size)))
+    bomb = tmp_path / "bomb.tgz"
+    bomb.write_bytes(gzip.compress(plain.getvalue()))
+    d = make_daemon(f'[datasets.bomb]\nshards = "{bomb}"\n', cache='max_size = "1MiB"')
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            list(c.stream("bomb", epoch=0, rank=0, world_size=1))
+    assert str(e.value) == f"{bomb}: decompresses to more than cache.max_size (1048576 bytes)"
+    assert list((d.dir / "cache" / "tmp").iterdir()) == []
 
 
 def raw_exchange(path, data):
@@ -140,6 +161,15 @@ def test_client_vanishing_mid_stream(daemon):
     wait_for(lambda: daemon.metric("shardd_streams_active") == 0, "the stream to end")
     assert daemon.metric('shardd_streams_total{outcome="cancelled"}') >= 1
     still_serves(daemon)
+
+
+def test_abandoned_streams_free_their_slots(daemon):
+    client = shardd.Client(daemon.socket)
+    for _ in range(3):
+        for _ in client.stream("train", epoch=0, rank=0, world_size=1):
+            break  # no close(): dropping the stream must be enough
+    wait_for(lambda: daemon.metric("shardd_streams_active") == 0, "abandoned streams to end")
+    wait_for(lambda: daemon.metric("shardd_connections_active") == 0, "their connections to close")
 
 
 def test_killed_daemon_is_an_error_then_restart_serves(daemon):

@@ -94,6 +94,7 @@ def test_large_and_small_fields_both_read_paths(make_daemon, fake_gcs, shard_dir
     assert len(got) == len(want) == 36
     assert as_reference(got) == want
     assert max(len(s["big.bin"]) for s in got) == 1_500_000
+    assert max(len(s["__key__"]) for s in got) > 70_000
 
 
 def test_webdataset_project_shards(make_daemon):

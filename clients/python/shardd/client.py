@@ -11,6 +11,7 @@ runs ahead into a large piece.
 import json
 import socket
 import struct
+import weakref
 
 MAGIC = b"SHARDD"
 VERSION = 1
@@ -56,7 +57,9 @@ class Client:
     def __init__(self, socket_path, timeout=None):
         self.socket_path = str(socket_path)
         self.timeout = timeout
-        self._open = set()
+        # Weak: a stream the caller dropped (``break`` out of the loop) is collected and its
+        # socket closed, which frees the daemon's slot; close() still reaches the live ones.
+        self._open = weakref.WeakSet()
 
     def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1):
         """Opens the stream of one (rank, worker) for one epoch and returns it as an iterator
@@ -93,6 +96,7 @@ class Stream:
 
     def __init__(self, socket_path, request, timeout=None, on_close=None):
         self._on_close = on_close
+        self._sock = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         # MSG_WAITALL needs a blocking socket; with a timeout, everything goes through the buffer.
@@ -132,6 +136,16 @@ class Stream:
             return sample
         if self.end is not None or self._sock is None:
             raise StopIteration
+        try:
+            return self._next_batch()
+        except StopIteration:
+            raise
+        except BaseException:
+            # A failed read leaves the byte stream at an unknown position: never read on.
+            self.close()
+            raise
+
+    def _next_batch(self):
         while True:
             kind, length = self._frame_header()
             if kind == KIND_BATCH:
@@ -158,6 +172,9 @@ class Stream:
         return self
 
     def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
         self.close()
 
     # -- reading -------------------------------------------------------------------------
@@ -288,9 +305,12 @@ class Stream:
         i = k = 0
         for _ in range(n):
             head = words[i]
-            self._fill(lengths[k], run[k])
-            key = str(self._mv[self._lo : self._lo + lengths[k]], "utf-8")
-            self._lo += lengths[k]
+            if lengths[k] >= DIRECT_MIN:
+                key = str(self._take_direct(lengths[k]), "utf-8")
+            else:
+                self._fill(lengths[k], run[k])
+                key = str(self._mv[self._lo : self._lo + lengths[k]], "utf-8")
+                self._lo += lengths[k]
             k += 1
             sample = {"__key__": key, "__url__": urls[head & 0xFFFF]}
             for j in range(head >> 16):
