@@ -347,14 +347,24 @@ fn validate_dataset(
     })
 }
 
-/// Parses "100GiB", "512MB", "1 TiB", "4096" (bytes).
-pub fn parse_size(text: &str, key: &str) -> Result<u64, ConfigError> {
+/// Splits "1.5 GiB" into its number (if it is one, and not negative) and its unit.
+fn number_and_unit(text: &str) -> (Option<f64>, String) {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let num = num
+        .parse::<f64>()
+        .ok()
+        .filter(|n| n.is_finite() && *n >= 0.0);
+    (num, unit.trim().to_ascii_lowercase())
+}
+
+/// Parses "100GiB", "512MB", "1 TiB", "4096" (bytes).
+pub fn parse_size(text: &str, key: &str) -> Result<u64, ConfigError> {
+    let (num, unit) = number_and_unit(text);
+    let mult: u64 = match unit.as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1_000,
         "m" | "mb" => 1_000_000,
@@ -366,8 +376,8 @@ pub fn parse_size(text: &str, key: &str) -> Result<u64, ConfigError> {
         "tib" => 1 << 40,
         _ => u64::MAX,
     };
-    match num.parse::<f64>() {
-        Ok(n) if mult != u64::MAX && n >= 0.0 && n.is_finite() => Ok((n * mult as f64) as u64),
+    match num {
+        Some(n) if mult != u64::MAX => Ok((n * mult as f64) as u64),
         _ => Err(invalid(format!(
             "{key} {text:?} is not a size like \"100GiB\", \"512MB\" or \"4096\""
         ))),
@@ -376,20 +386,16 @@ pub fn parse_size(text: &str, key: &str) -> Result<u64, ConfigError> {
 
 /// Parses "30s", "500ms", "5m", "1h".
 pub fn parse_duration(text: &str, key: &str) -> Result<Duration, ConfigError> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let secs: f64 = match unit.trim() {
+    let (num, unit) = number_and_unit(text);
+    let secs: f64 = match unit.as_str() {
         "ms" => 0.001,
         "s" => 1.0,
         "m" | "min" => 60.0,
         "h" => 3600.0,
         _ => f64::NAN,
     };
-    match num.parse::<f64>() {
-        Ok(n) if secs.is_finite() && n >= 0.0 => Ok(Duration::from_secs_f64(n * secs)),
+    match num {
+        Some(n) if secs.is_finite() => Ok(Duration::from_secs_f64(n * secs)),
         _ => Err(invalid(format!(
             "{key} {text:?} is not a duration like \"30s\", \"500ms\" or \"5m\""
         ))),

@@ -44,7 +44,8 @@ pub struct StreamContext {
     pub prefetch_shards: usize,
 }
 
-/// Serves one stream to `out`; returns the END summary once every sample is written.
+/// Serves one stream to `sock` through `sink`; returns the END summary once every sample is
+/// written.
 pub async fn pump(
     ctx: &StreamContext,
     dataset: &Dataset,
