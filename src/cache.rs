@@ -81,10 +81,6 @@ impl Budget {
     pub fn has_room(&self) -> bool {
         self.used.load(Ordering::Relaxed) < self.limit
     }
-
-    pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
-    }
 }
 
 pub struct Cache {

@@ -41,15 +41,6 @@ pub enum StartError {
 /// Runs the daemon until `shutdown` is cancelled.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
     let stores = Stores::from_config(&config)?;
-    run_with_stores(config, stores, shutdown).await
-}
-
-/// [`run`] with stores supplied by the caller (tests can hand in any `ObjectStore`).
-pub async fn run_with_stores(
-    config: Config,
-    stores: Stores,
-    shutdown: CancellationToken,
-) -> Result<(), StartError> {
     raise_fd_limit();
     let metrics = Arc::new(Metrics::new());
     let cache = Cache::open(

@@ -170,23 +170,6 @@ impl Stores {
         Ok(Stores { by_bucket })
     }
 
-    /// Stores given directly (tests: `InMemory`, `ThrottledStore`, ...), keyed like `gs://bucket`.
-    pub fn with_store(
-        mut self,
-        scheme: &'static str,
-        bucket: &str,
-        store: Arc<dyn ObjectStore>,
-    ) -> Self {
-        self.by_bucket.insert((scheme, bucket.to_string()), store);
-        self
-    }
-
-    pub fn empty() -> Stores {
-        Stores {
-            by_bucket: HashMap::new(),
-        }
-    }
-
     pub fn source(&self, shard: &ShardUrl) -> Source {
         let (scheme, bucket, path) = match shard.location() {
             Location::Gcs { bucket, path } => ("gs", bucket, path),
