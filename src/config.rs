@@ -110,6 +110,7 @@ pub struct StoreSection {
     pub max_downloads: usize,
     pub connect_timeout: String,
     pub read_timeout: String,
+    pub retries: usize,
 }
 
 impl Default for StoreSection {
@@ -118,6 +119,7 @@ impl Default for StoreSection {
             max_downloads: 16,
             connect_timeout: "10s".into(),
             read_timeout: "60s".into(),
+            retries: 10,
         }
     }
 }
@@ -175,6 +177,7 @@ pub struct Config {
     pub max_downloads: usize,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
+    pub retries: usize,
     pub gcs: Option<GcsSection>,
     pub s3: Option<S3Section>,
     pub datasets: BTreeMap<String, Dataset>,
@@ -295,6 +298,7 @@ impl FileConfig {
             max_downloads: self.store.max_downloads,
             connect_timeout,
             read_timeout,
+            retries: self.store.retries,
             gcs: self.gcs,
             s3: self.s3,
             datasets,

@@ -6,8 +6,8 @@
 //! copied into the cache.
 //!
 //! Retries are object_store's, not ours: 5xx, 408, 429 and connection errors are retried with
-//! exponential backoff (up to 10 times, within 3 minutes); a body cut mid-way is resumed with a
-//! range request. 404 and other 4xx answers fail at once. The whole-request timeout is disabled
+//! exponential backoff (`store.retries` times, within 3 minutes); a body cut mid-way is resumed
+//! with a range request. 404 and other 4xx answers fail at once. The whole-request timeout is disabled
 //! (shards are large); `store.connect_timeout` and `store.read_timeout` (the longest silence
 //! while reading a body) catch stalled connections instead.
 
@@ -144,6 +144,10 @@ impl Stores {
             .with_connect_timeout(config.connect_timeout)
             .with_read_timeout(config.read_timeout)
             .with_allow_http(true);
+        let retry = object_store::RetryConfig {
+            max_retries: config.retries,
+            ..Default::default()
+        };
         let mut by_bucket = HashMap::new();
         for dataset in config.datasets.values() {
             for shard in &dataset.shards {
@@ -157,8 +161,8 @@ impl Stores {
                     continue;
                 }
                 let built = match scheme {
-                    "gs" => gcs(bucket, config.gcs.as_ref(), options.clone()),
-                    _ => s3(bucket, config.s3.as_ref(), options.clone()),
+                    "gs" => gcs(bucket, config.gcs.as_ref(), options.clone(), retry.clone()),
+                    _ => s3(bucket, config.s3.as_ref(), options.clone(), retry.clone()),
                 }
                 .map_err(|source| StoreError::Build {
                     bucket: format!("{scheme}://{bucket}"),
@@ -192,6 +196,7 @@ fn gcs(
     bucket: &str,
     section: Option<&GcsSection>,
     options: object_store::ClientOptions,
+    retry: object_store::RetryConfig,
 ) -> object_store::Result<Arc<dyn ObjectStore>> {
     use object_store::gcp::GoogleCloudStorageBuilder;
     let mut b = match section {
@@ -200,7 +205,8 @@ fn gcs(
         None => GoogleCloudStorageBuilder::from_env(),
     }
     .with_bucket_name(bucket)
-    .with_client_options(options);
+    .with_client_options(options)
+    .with_retry(retry);
     if let Some(s) = section {
         if let Some(endpoint) = &s.endpoint {
             b = b.with_base_url(endpoint.trim_end_matches('/'));
@@ -216,11 +222,13 @@ fn s3(
     bucket: &str,
     section: Option<&S3Section>,
     options: object_store::ClientOptions,
+    retry: object_store::RetryConfig,
 ) -> object_store::Result<Arc<dyn ObjectStore>> {
     use object_store::aws::AmazonS3Builder;
     let mut b = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
-        .with_client_options(options);
+        .with_client_options(options)
+        .with_retry(retry);
     if let Some(s) = section {
         if let Some(endpoint) = &s.endpoint {
             b = b.with_endpoint(endpoint).with_allow_http(true);

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -258,3 +259,55 @@ def gcs_config(endpoint, host_index=0, host_count=1, shuffle_buffer=25, extra=""
         f'[datasets.mixed]\nshards = "gs://{BUCKET}/mixed/mixed-{{0..2}}.tar"\nshuffle_buffer = 10\n'
         f'[datasets.big]\nshards = "gs://{BUCKET}/big/big-{{0..{BIG_SHARDS - 1}}}.tar"\nshuffle_buffer = 1\n' + extra
     )
+
+
+class CuttingProxy:
+    """A loopback HTTP proxy in front of fake-gcs-server that cuts the body of the first
+    ``cuts`` responses for object paths containing ``match`` in half and then drops the
+    connection: the fault (a download cut mid-body) that the real server never makes."""
+
+    def __init__(self, upstream_port, match, cuts):
+        import socketserver
+        import threading
+
+        self.match, self.cuts_left = match.encode(), cuts
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = self.request.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                # fake-gcs-server answers object paths only for its own host name.
+                lines = [
+                    l for l in head.split(b"\r\n")
+                    if not l.lower().startswith((b"connection:", b"host:"))
+                ]
+                host = f"Host: 127.0.0.1:{upstream_port}".encode()
+                request = b"\r\n".join(lines[:1] + [host, b"Connection: close"] + lines[1:])
+                with socket.create_connection(("127.0.0.1", upstream_port)) as up:
+                    up.sendall(request)
+                    response = b""
+                    while chunk := up.recv(1 << 20):
+                        response += chunk
+                target = urllib.parse.unquote_to_bytes(lines[0])  # object_store escapes '/' and '-'
+                with proxy.lock:
+                    cut = proxy.match in target and target.startswith(b"GET") and proxy.cuts_left > 0
+                    proxy.cuts_left -= cut
+                if cut:
+                    end = response.index(b"\r\n\r\n") + 4
+                    response = response[: end + (len(response) - end) // 2]
+                self.request.sendall(response)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

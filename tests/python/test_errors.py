@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import shardd
 
-from conftest import SHARDD, TESTDATA, gcs_config, wait_for
+from conftest import SHARDD, TESTDATA, CuttingProxy, gcs_config, reference_samples, wait_for
 
 
 @pytest.fixture
@@ -67,6 +67,42 @@ def test_bad_shards_name_the_url(daemon, dataset, message):
     assert e.value.code == "stream_failed"
     assert message in str(e.value)
     still_serves(daemon)
+
+
+@pytest.fixture
+def cutting_proxy(fake_gcs):
+    proxies = []
+
+    def make(match, cuts):
+        p = CuttingProxy(int(fake_gcs.rsplit(":", 1)[1]), match, cuts)
+        proxies.append(p)
+        return p
+
+    yield make
+    for p in proxies:
+        p.close()
+
+
+def test_a_cut_download_is_resumed_byte_exact(make_daemon, cutting_proxy, train_paths):
+    proxy = cutting_proxy("train-000003.tar", cuts=2)
+    d = make_daemon(gcs_config(proxy.endpoint, extra="[store]\nretries = 3\n"))
+    with shardd.Client(d.socket) as c:
+        got = list(c.stream("train", epoch=0, rank=0, world_size=1))
+    assert proxy.cuts_left == 0, "the fault was injected"
+    want = reference_samples(train_paths)
+    assert {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in got} == want
+
+
+def test_a_cut_download_without_retries_fails_naming_the_shard(make_daemon, cutting_proxy):
+    proxy = cutting_proxy("train-000003.tar", cuts=1)
+    d = make_daemon(gcs_config(proxy.endpoint, extra="[store]\nretries = 0\n"))
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            list(c.stream("train", epoch=0, rank=0, world_size=1))
+    assert e.value.code == "stream_failed"
+    assert str(e.value).startswith("gs://bkt/train/train-000003.tar: download failed:"), str(e.value)
+    assert list((d.dir / "cache" / "tmp").iterdir()) == []
+    still_serves(d)
 
 
 @pytest.fixture
