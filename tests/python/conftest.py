@@ -168,10 +168,49 @@ def fake_gcs(shard_dir, tmp_path_factory):
     log.close()
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint(train_paths, tmp_path_factory):
+    """moto's S3-compatible server (from PyPI) on loopback, holding the train shards under
+    s3://bkt3/train/."""
+    import boto3
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("s3-log") / "moto.log", "w")
+    proc = subprocess.Popen(
+        [str(pathlib.Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def answers():
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto_server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(endpoint, timeout=1):
+                return True
+        except OSError:
+            return False
+
+    wait_for(answers, "moto_server to answer")
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **S3_CREDENTIALS_BOTO)
+    s3.create_bucket(Bucket="bkt3")
+    for path in train_paths:
+        s3.upload_file(str(path), "bkt3", f"train/{path.name}")
+    yield endpoint
+    proc.kill()
+    proc.wait()
+    log.close()
+
+
+S3_CREDENTIALS_BOTO = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
 class Daemon:
     """A `shardd serve` process with its own config, socket and cache."""
 
-    def __init__(self, workdir, config_body, name="shardd", cache_dir=None, cache=""):
+    def __init__(self, workdir, config_body, name="shardd", cache_dir=None, cache="", env=None):
+        self.env = env or {}
         self.dir = pathlib.Path(workdir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         cache_dir = cache_dir or self.dir / "cache"
@@ -191,7 +230,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [SHARDD, "serve", "--config", str(self.config)],
             stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "SHARDD_LOG": "debug", "RUST_BACKTRACE": "0"},
+            env={**os.environ, "SHARDD_LOG": "debug", "RUST_BACKTRACE": "0", **self.env},
         )
         wait_for(self.ready, f"shardd to serve (log: {self.log_path})")
 
@@ -236,8 +275,8 @@ class Daemon:
 def make_daemon(tmp_path):
     daemons = []
 
-    def make(config_body, name="shardd", cache_dir=None, cache=""):
-        d = Daemon(tmp_path, config_body, name, cache_dir, cache)
+    def make(config_body, name="shardd", cache_dir=None, cache="", env=None):
+        d = Daemon(tmp_path, config_body, name, cache_dir, cache, env)
         daemons.append(d)
         return d
 

@@ -8,7 +8,8 @@ import pytest
 import shardd
 
 from conftest import (
-    BIG_SHARDS, BUCKET, SHARDD, TESTDATA, big_payload, gcs_config, reference_samples, wait_for,
+    BIG_SHARDS, BUCKET, S3_ENV, SHARDD, TESTDATA, TRAIN_SHARDS, big_payload, gcs_config,
+    reference_samples, wait_for,
 )
 
 
@@ -65,6 +66,18 @@ def test_multi_host_epoch_equals_webdataset(two_hosts, train_paths):
     # A stream's samples are shuffled, not in tar order.
     longest = max(streams.values(), key=len)
     assert [s["__key__"] for s in longest] != sorted(s["__key__"] for s in longest)
+
+
+def test_s3_epoch_equals_webdataset(make_daemon, s3_endpoint, train_paths):
+    d = make_daemon(
+        f'[s3]\nendpoint = "{s3_endpoint}"\nregion = "us-east-1"\n'
+        f'[datasets.train]\nshards = "s3://bkt3/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"\n',
+        env=S3_ENV,
+    )
+    samples = [s for ss in read_epoch([d], world_size=2, num_workers=2).values() for s in ss]
+    assert len(samples) == len(reference_samples(train_paths))
+    assert as_reference(samples) == reference_samples(train_paths)
+    assert all(s["__url__"].startswith("s3://bkt3/train/train-") for s in samples)
 
 
 def test_same_inputs_same_order_other_epoch_other_order(two_hosts):
