@@ -4,7 +4,7 @@
 //! Control frames carry JSON (rare, evolvable, readable in a packet dump); sample frames carry
 //! a binary batch laid out so that a pure-Python reader decodes a whole batch with one
 //! `struct.unpack_from` and slices, and so that the daemon sends field data straight out of
-//! the shard's bytes with vectored writes.
+//! the shard's bytes ([`Part::Mapped`], spliced by `sink.rs`) without copying it.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
