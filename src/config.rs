@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::braces;
-use crate::store::{ShardUrl, UrlError};
+use crate::url::{ShardUrl, UrlError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -59,6 +59,7 @@ pub struct ServerSection {
     pub metrics_addr: String,
     pub max_connections: usize,
     pub handshake_timeout: String,
+    pub stall_timeout: String,
 }
 
 impl Default for ServerSection {
@@ -69,6 +70,7 @@ impl Default for ServerSection {
             metrics_addr: "127.0.0.1:9464".into(),
             max_connections: 1024,
             handshake_timeout: "10s".into(),
+            stall_timeout: "60s".into(),
         }
     }
 }
@@ -92,6 +94,8 @@ pub struct CacheSection {
     pub dir: PathBuf,
     pub max_size: String,
     pub prefetch_shards: usize,
+    pub revalidate: String,
+    pub space_timeout: String,
 }
 
 impl Default for CacheSection {
@@ -99,7 +103,9 @@ impl Default for CacheSection {
         Self {
             dir: "/var/cache/shardd".into(),
             max_size: "100GiB".into(),
-            prefetch_shards: 2,
+            prefetch_shards: 4,
+            revalidate: "10m".into(),
+            space_timeout: "30s".into(),
         }
     }
 }
@@ -111,6 +117,8 @@ pub struct StoreSection {
     pub connect_timeout: String,
     pub read_timeout: String,
     pub retries: usize,
+    pub part_size: String,
+    pub parts_in_flight: usize,
 }
 
 impl Default for StoreSection {
@@ -120,6 +128,8 @@ impl Default for StoreSection {
             connect_timeout: "10s".into(),
             read_timeout: "60s".into(),
             retries: 10,
+            part_size: "64MiB".into(),
+            parts_in_flight: 4,
         }
     }
 }
@@ -145,6 +155,10 @@ pub struct DatasetSection {
     pub shards: Patterns,
     #[serde(default = "default_shuffle_buffer")]
     pub shuffle_buffer: usize,
+    #[serde(default)]
+    pub share_seed: u64,
+    #[serde(default)]
+    pub warm: bool,
 }
 
 fn default_shuffle_buffer() -> usize {
@@ -170,14 +184,19 @@ pub struct Config {
     pub metrics_addr: Option<std::net::SocketAddr>,
     pub max_connections: usize,
     pub handshake_timeout: Duration,
+    pub stall_timeout: Duration,
     pub host: Topology,
     pub cache_dir: PathBuf,
     pub cache_max_bytes: u64,
     pub prefetch_shards: usize,
+    pub revalidate: Duration,
+    pub space_timeout: Duration,
     pub max_downloads: usize,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
     pub retries: usize,
+    pub part_size: u64,
+    pub parts_in_flight: usize,
     pub gcs: Option<GcsSection>,
     pub s3: Option<S3Section>,
     pub datasets: BTreeMap<String, Dataset>,
@@ -196,6 +215,11 @@ pub struct Dataset {
     /// Every shard, in the order the patterns expand to. The plan is a function of this order.
     pub shards: Vec<ShardUrl>,
     pub shuffle_buffer: usize,
+    /// Keys the host share (which shards this host owns); independent of the run's seed so
+    /// that a new run on the same hosts finds its shards in the cache.
+    pub share_seed: u64,
+    /// Fill the cache with this host's share at start, before any trainer asks.
+    pub warm: bool,
 }
 
 impl Config {
@@ -251,6 +275,7 @@ impl FileConfig {
             return Err(invalid("server.max_connections must be at least 1"));
         }
         let handshake_timeout = parse_duration(&s.handshake_timeout, "server.handshake_timeout")?;
+        let stall_timeout = parse_duration(&s.stall_timeout, "server.stall_timeout")?;
 
         let host = Topology {
             index: self.host.index,
@@ -273,6 +298,15 @@ impl FileConfig {
         if self.store.max_downloads == 0 {
             return Err(invalid("store.max_downloads must be at least 1"));
         }
+        let revalidate = parse_duration(&self.cache.revalidate, "cache.revalidate")?;
+        let space_timeout = parse_duration(&self.cache.space_timeout, "cache.space_timeout")?;
+        let part_size = parse_size(&self.store.part_size, "store.part_size")?;
+        if part_size < 1 << 20 {
+            return Err(invalid("store.part_size must be at least 1MiB"));
+        }
+        if self.store.parts_in_flight == 0 {
+            return Err(invalid("store.parts_in_flight must be at least 1"));
+        }
         let connect_timeout = parse_duration(&self.store.connect_timeout, "store.connect_timeout")?;
         let read_timeout = parse_duration(&self.store.read_timeout, "store.read_timeout")?;
 
@@ -291,14 +325,19 @@ impl FileConfig {
             metrics_addr,
             max_connections: s.max_connections,
             handshake_timeout,
+            stall_timeout,
             host,
             cache_dir: self.cache.dir,
             cache_max_bytes,
             prefetch_shards: self.cache.prefetch_shards,
+            revalidate,
+            space_timeout,
             max_downloads: self.store.max_downloads,
             connect_timeout,
             read_timeout,
             retries: self.store.retries,
+            part_size,
+            parts_in_flight: self.store.parts_in_flight,
             gcs: self.gcs,
             s3: self.s3,
             datasets,
@@ -348,6 +387,8 @@ fn validate_dataset(
         name: name.to_string(),
         shards,
         shuffle_buffer: d.shuffle_buffer,
+        share_seed: d.share_seed,
+        warm: d.warm,
     })
 }
 

@@ -1,5 +1,5 @@
-//! Wires the boxes together: metrics, cache, stores, the socket, the HTTP side, and a clean
-//! shutdown (the socket file is removed on the way out).
+//! Wires the boxes together: metrics, stores, the cache and its prefetcher, the socket, the
+//! HTTP side, and a clean shutdown (the socket file is removed on the way out).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -8,9 +8,10 @@ use std::sync::Arc;
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::cache::Cache;
+use crate::cache::{Cache, Limits, disk::OpenError};
 use crate::config::Config;
 use crate::metrics::Metrics;
+use crate::prefetch::{self, Plans};
 use crate::server::{self, Daemon};
 use crate::store::{StoreError, Stores};
 use crate::stream::StreamContext;
@@ -24,11 +25,8 @@ pub enum StartError {
     },
     #[error("another shardd is already serving on {path}")]
     InUse { path: PathBuf },
-    #[error("cannot open the cache directory {path}: {source}")]
-    Cache {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Cache(#[from] OpenError),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("cannot listen on server.metrics_addr {addr}: {source}")]
@@ -40,19 +38,10 @@ pub enum StartError {
 
 /// Runs the daemon until `shutdown` is cancelled.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
-    let stores = Stores::from_config(&config)?;
-    raise_fd_limit();
     let metrics = Arc::new(Metrics::new());
-    let cache = Cache::open(
-        &config.cache_dir,
-        config.cache_max_bytes,
-        config.max_downloads,
-        metrics.clone(),
-    )
-    .map_err(|source| StartError::Cache {
-        path: config.cache_dir.clone(),
-        source,
-    })?;
+    raise_fd_limit();
+    let plans = Arc::new(Plans::default());
+    let cache = open_cache(&config, metrics.clone(), plans.clone()).await?;
     let http = match config.metrics_addr {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -76,22 +65,79 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Star
     );
     let http_task =
         http.map(|l| tokio::spawn(crate::http::serve(l, metrics.clone(), shutdown.clone())));
+    let prefetcher = tokio::spawn(prefetch::run(
+        plans.clone(),
+        cache.clone(),
+        config.prefetch_shards,
+        config.max_downloads,
+        shutdown.clone(),
+    ));
+    let warmer = tokio::spawn(warm_at_start(config.clone(), cache.clone()));
     let daemon = Arc::new(Daemon {
         streams: StreamContext {
-            cache: Arc::new(cache),
-            stores: Arc::new(stores),
+            cache,
+            plans,
             metrics,
-            prefetch_shards: config.prefetch_shards,
+            stall_timeout: config.stall_timeout,
         },
         config,
     });
     server::run(listener, daemon, shutdown).await;
+    warmer.abort();
+    let _ = prefetcher.await;
     if let Some(t) = http_task {
         let _ = t.await;
     }
     let _ = std::fs::remove_file(&socket);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Builds the stores and opens (and locks) the cache directory.
+pub async fn open_cache(
+    config: &Config,
+    metrics: Arc<Metrics>,
+    plans: Arc<Plans>,
+) -> Result<Cache, StartError> {
+    let stores = Arc::new(Stores::from_config(config, metrics.clone())?);
+    let limits = Limits {
+        max_bytes: config.cache_max_bytes,
+        space_timeout: config.space_timeout,
+        revalidate: config.revalidate,
+    };
+    let dir = config.cache_dir.clone();
+    let cache =
+        tokio::task::spawn_blocking(move || Cache::open(&dir, limits, stores, plans, metrics))
+            .await
+            .expect("opening the cache does not panic")?;
+    Ok(cache)
+}
+
+/// `[datasets.X] warm = true`: loads this host's share of those datasets into free cache
+/// space, in the background, before (and while) trainers connect.
+async fn warm_at_start(config: Config, cache: Cache) {
+    for dataset in config.datasets.values().filter(|d| d.warm) {
+        let share: Vec<_> =
+            crate::plan::host_share(dataset.shards.len(), dataset.share_seed, config.host)
+                .into_iter()
+                .map(|i| dataset.shards[i].clone())
+                .collect();
+        let (mut loaded, mut failed) = (0u64, 0usize);
+        let complete = prefetch::warm(&cache, &share, config.max_downloads, |_, r| match r {
+            Ok(crate::cache::Ensured::Loaded(n)) => loaded += n,
+            Ok(_) => {}
+            Err(_) => failed += 1,
+        })
+        .await;
+        tracing::info!(
+            dataset = %dataset.name,
+            shards = share.len(),
+            loaded_bytes = loaded,
+            failed,
+            complete,
+            "warmed the cache"
+        );
+    }
 }
 
 /// Binds the Unix socket with the configured mode. A stale socket file from a crashed run is

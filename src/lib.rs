@@ -8,12 +8,14 @@
 //! |---|---|---|
 //! | config | `config.rs` | TOML → validated runtime [`config::Config`] |
 //! | shard lists | `braces.rs` | `train-{000000..000639}.tar` → shard URLs |
-//! | store | `store.rs` | URL → `object_store` store (gs://, s3://) or local file |
-//! | cache | `cache.rs` | shard bytes on local disk: download, verify size, map |
+//! | shard URLs | `url.rs` | one shard's location, object names verbatim |
+//! | store | `store.rs` | reads a shard from its source: ranged parallel GETs, local copies |
+//! | cache | `cache/` | the host-level shard source: verified entries on disk, hard budget, pins, single flight, eviction |
+//! | prefetch | `prefetch.rs` | what to load next, from the plans of the open streams (and their next epoch) |
 //! | plan | `plan.rs` | (seed, epoch, topology, rank, worker) → which shards, in which order |
 //! | shard | `shard.rs` | tar bytes → WebDataset samples (zero-copy slices) |
 //! | shuffle | `shuffle.rs` | seeded generator; windowed sample shuffle |
-//! | stream | `stream.rs` | one stream: prefetch → parse → shuffle → batch frames |
+//! | stream | `stream.rs` | one stream: shards from the cache → parse → shuffle → batch frames |
 //! | protocol | `protocol.rs` | frames of `proto/PROTOCOL.md`, shared by server and client |
 //! | sink | `sink.rs` | writes frames; shard pages go to the socket by reference (splice) |
 //! | server | `server.rs` | Unix socket: accept, handshake, one stream per connection |
@@ -33,6 +35,7 @@ pub mod demo;
 pub mod http;
 pub mod metrics;
 pub mod plan;
+pub mod prefetch;
 pub mod protocol;
 pub mod server;
 pub mod shard;
@@ -40,3 +43,4 @@ pub mod shuffle;
 pub mod sink;
 pub mod store;
 pub mod stream;
+pub mod url;

@@ -7,6 +7,8 @@ use shardd::config::Config;
 use shardd::protocol::Request;
 use tokio_util::sync::CancellationToken;
 
+mod warm;
+
 #[derive(Parser)]
 #[command(
     version,
@@ -28,6 +30,15 @@ enum Command {
     Check {
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Fill the cache with this host's share of the datasets (all, or one), ahead of a job.
+    /// Idempotent: what is cached and unchanged is not fetched again. Run it while the
+    /// daemon is stopped (it takes the cache directory's lock).
+    Warm {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        dataset: Option<String>,
     },
     /// Read one stream through the protocol; print a line per sample: key, then field=bytes.
     Cat {
@@ -82,6 +93,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             runtime.block_on(serve(config))
         }
         Command::Check { config } => check(&config),
+        Command::Warm { config, dataset } => {
+            let config = Config::load(&config)?;
+            runtime.block_on(warm::run(config, dataset))
+        }
         Command::Cat {
             socket,
             dataset,
@@ -127,7 +142,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 
 fn check(path: &std::path::Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
-    shardd::store::Stores::from_config(&config)?;
+    shardd::store::Stores::from_config(&config, Default::default())?;
     println!("{}: ok", path.display());
     for (name, d) in &config.datasets {
         println!(

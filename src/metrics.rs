@@ -20,7 +20,29 @@ pub struct Metrics {
     pub shard_fetch_bytes_total: IntCounter,
     pub shard_fetch_seconds: Histogram,
     pub downloads_active: IntGauge,
+    /// Object-store requests by kind (head, get: one per ranged part).
+    pub store_requests_total: IntCounterVec,
+    /// Body bytes received from object stores.
+    pub store_bytes_total: IntCounter,
+    /// Object-store errors by kind (not_found, changed, other).
+    pub store_errors_total: IntCounterVec,
+    /// Bytes the cache charges against `cache.max_size`: entries plus reservations.
     pub cache_bytes: IntGauge,
+    pub cache_capacity_bytes: IntGauge,
+    /// Bytes of complete entries on disk.
+    pub cache_resident_bytes: IntGauge,
+    /// Bytes of entries that open streams are reading (never evicted).
+    pub cache_pinned_bytes: IntGauge,
+    /// A stream asked for a shard and it was ready (hit), or had to wait for it (miss).
+    pub cache_hits_total: IntCounter,
+    pub cache_misses_total: IntCounter,
+    pub cache_evictions_total: IntCounter,
+    /// Entries or downloads whose size or checksum did not verify (never served).
+    pub cache_verify_failures_total: IntCounter,
+    /// Bytes the prefetcher brought in before any stream asked for them.
+    pub cache_prefetched_bytes_total: IntCounter,
+    /// Streams ended because their client read nothing for `server.stall_timeout`.
+    pub streams_stalled_total: IntCounter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -77,7 +99,33 @@ impl Metrics {
                 .unwrap(),
             ),
             downloads_active: gauge("downloads_active", "Shard downloads in flight."),
-            cache_bytes: gauge("cache_bytes", "Bytes of shard files the cache holds on disk."),
+            store_requests_total: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("store_requests_total", "Object-store requests, by kind (head, get; one get per ranged part)."),
+                    &["kind"],
+                )
+                .unwrap(),
+            ),
+            store_bytes_total: counter("store_bytes_total", "Body bytes received from object stores."),
+            store_errors_total: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("store_errors_total", "Object-store request errors, by kind (not_found, changed, other)."),
+                    &["kind"],
+                )
+                .unwrap(),
+            ),
+            cache_bytes: gauge("cache_bytes", "Bytes charged against cache.max_size: entries, downloads and decompression in progress."),
+            cache_capacity_bytes: gauge("cache_capacity_bytes", "cache.max_size."),
+            cache_resident_bytes: gauge("cache_resident_bytes", "Bytes of complete cache entries on disk."),
+            cache_pinned_bytes: gauge("cache_pinned_bytes", "Bytes of cache entries open streams are reading (never evicted)."),
+            cache_hits_total: counter("cache_hits_total", "Shards a stream asked for that were ready in the cache."),
+            cache_misses_total: counter("cache_misses_total", "Shards a stream asked for and had to wait for."),
+            cache_evictions_total: counter("cache_evictions_total", "Cache entries evicted to make room."),
+            cache_verify_failures_total: counter("cache_verify_failures_total", "Downloads or cache entries whose size or checksum did not verify."),
+            cache_prefetched_bytes_total: counter("cache_prefetched_bytes_total", "Bytes fetched into the cache before any stream asked for them."),
+            streams_stalled_total: counter("streams_stalled_total", "Streams ended because the client read nothing for server.stall_timeout."),
             registry,
         }
     }

@@ -5,9 +5,11 @@
 //!
 //! This is the shard-level mode (sample counts unknown until a shard is read), as webdataset
 //! does it, with one change for locality:
-//! 1. **Host share, stable across epochs.** The shard list is permuted with the seed alone and
-//!    dealt round-robin to the hosts, so a host reads the same shards every epoch and its cache
-//!    keeps serving it.
+//! 1. **Host share, stable across epochs and runs.** The shard list is permuted with the
+//!    dataset's `share_seed` (default 0), never the run's seed, and dealt round-robin to the
+//!    hosts: a host reads the same shards every epoch of every run with the same shard list
+//!    and host count, so its cache keeps serving it, and the daemon can fill its cache before
+//!    any trainer connects.
 //! 2. **Epoch order.** The host's shards are permuted again with (seed, epoch, host).
 //! 3. **Ranks, then workers.** Local rank ρ takes every L-th shard of that order starting at ρ
 //!    (L = ranks per host), and worker w every K-th shard of its rank's list starting at w, as
@@ -69,13 +71,14 @@ pub struct StreamPlan {
 /// Plans one stream, or says why the request cannot be served by this host.
 pub fn plan_stream(
     num_shards: usize,
+    share_seed: u64,
     host: Topology,
     req: &StreamRequest,
 ) -> Result<StreamPlan, PlanError> {
     let local_rank = validate(host, req)?;
     let ranks_per_host = (req.world_size / host.count) as usize;
 
-    let mut order = host_share(num_shards, req.seed, host);
+    let mut order = host_share(num_shards, share_seed, host);
     let mut rng = SplitMix64::new(shuffle::key(&[
         tag::EPOCH_ORDER,
         req.seed,
@@ -102,13 +105,13 @@ pub fn plan_stream(
     Ok(StreamPlan { shards, stream_key })
 }
 
-/// The shards this host owns in every epoch of a run with this seed, in ascending
-/// position of the seeded permutation.
-pub fn host_share(num_shards: usize, seed: u64, host: Topology) -> Vec<usize> {
+/// The shards this host owns in every epoch, in ascending position of the permutation
+/// keyed by `share_seed`.
+pub fn host_share(num_shards: usize, share_seed: u64, host: Topology) -> Vec<usize> {
     let mut all: Vec<usize> = (0..num_shards).collect();
     shuffle::shuffle(
         &mut all,
-        &mut SplitMix64::new(shuffle::key(&[tag::HOST_SHARE, seed])),
+        &mut SplitMix64::new(shuffle::key(&[tag::HOST_SHARE, share_seed])),
     );
     all.into_iter()
         .skip(host.index as usize)
@@ -197,9 +200,13 @@ mod tests {
             };
             for rank in h * per_host..(h + 1) * per_host {
                 for w in 0..workers {
-                    let p =
-                        plan_stream(num_shards, topo, &req(seed, epoch, rank, world, w, workers))
-                            .unwrap();
+                    let p = plan_stream(
+                        num_shards,
+                        0,
+                        topo,
+                        &req(seed, epoch, rank, world, w, workers),
+                    )
+                    .unwrap();
                     streams.push(p.shards);
                 }
             }
@@ -249,10 +256,10 @@ mod tests {
         assert_ne!(a, whole_epoch(64, 2, 2, 2, 11, 1));
         assert_ne!(a, whole_epoch(64, 2, 2, 2, 12, 0));
         let topo = Topology { index: 0, count: 1 };
-        let k0 = plan_stream(8, topo, &req(1, 0, 0, 1, 0, 1))
+        let k0 = plan_stream(8, 0, topo, &req(1, 0, 0, 1, 0, 1))
             .unwrap()
             .stream_key;
-        let k1 = plan_stream(8, topo, &req(1, 1, 0, 1, 0, 1))
+        let k1 = plan_stream(8, 0, topo, &req(1, 1, 0, 1, 0, 1))
             .unwrap()
             .stream_key;
         assert_ne!(k0, k1);
@@ -265,7 +272,7 @@ mod tests {
                 let streams = whole_epoch(50, 3, 2, 2, 5, epoch);
                 let mut mine: Vec<usize> = streams[(h * 4) as usize..(h * 4 + 4) as usize].concat();
                 mine.sort();
-                let mut share = host_share(50, 5, Topology { index: h, count: 3 });
+                let mut share = host_share(50, 0, Topology { index: h, count: 3 });
                 share.sort();
                 assert_eq!(mine, share);
             }
@@ -273,9 +280,48 @@ mod tests {
     }
 
     #[test]
+    fn host_share_does_not_depend_on_the_run_seed() {
+        for h in 0..3 {
+            let topo = Topology { index: h, count: 3 };
+            let shares: Vec<Vec<usize>> = (0..4)
+                .map(|seed| {
+                    let mut mine: Vec<usize> = (0..3)
+                        .flat_map(|r| {
+                            plan_stream(40, 9, topo, &req(seed, 2, h * 3 + r, 9, 0, 1))
+                                .unwrap()
+                                .shards
+                        })
+                        .collect();
+                    mine.sort();
+                    mine
+                })
+                .collect();
+            assert!(shares.iter().all(|s| *s == shares[0]));
+            let mut share = host_share(40, 9, topo);
+            share.sort();
+            assert_eq!(shares[0], share);
+            assert_ne!(host_share(40, 10, topo), host_share(40, 9, topo));
+        }
+    }
+
+    /// Golden vectors: what a stream reads is a contract (a resumed job must read what it
+    /// would have read). A change here is a protocol-level change: say so in PROTOCOL.md.
+    #[test]
+    fn golden_shard_orders() {
+        let topo = Topology { index: 1, count: 2 };
+        let p = plan_stream(10, 0, topo, &req(7, 3, 2, 4, 0, 1)).unwrap();
+        assert_eq!(host_share(10, 0, topo), GOLDEN_SHARE);
+        assert_eq!(p.shards, GOLDEN_RANK2);
+        assert_eq!(p.stream_key, GOLDEN_KEY);
+    }
+    const GOLDEN_SHARE: [usize; 5] = [7, 5, 6, 1, 2];
+    const GOLDEN_RANK2: [usize; 3] = [7, 1, 5];
+    const GOLDEN_KEY: u64 = 10125191524557636659;
+
+    #[test]
     fn refuses_what_this_host_cannot_serve() {
         let topo = Topology { index: 1, count: 2 };
-        let err = |r: StreamRequest| plan_stream(10, topo, &r).unwrap_err().to_string();
+        let err = |r: StreamRequest| plan_stream(10, 0, topo, &r).unwrap_err().to_string();
         assert_eq!(
             err(req(0, 0, 4, 4, 0, 1)),
             "rank 4 must be less than world_size 4"

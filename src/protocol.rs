@@ -4,12 +4,14 @@
 //! Control frames carry JSON (rare, evolvable, readable in a packet dump); sample frames carry
 //! a binary batch laid out so that a pure-Python reader decodes a whole batch with one
 //! `struct.unpack_from` and slices, and so that the daemon sends field data straight out of
-//! the shard's bytes ([`Part::Mapped`], spliced by `sink.rs`) without copying it.
+//! the shard's bytes ([`Part::Shard`], spliced by `sink.rs` when they are cache-file memory)
+//! without copying it.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::cache::ShardBytes;
 use crate::shard::Sample;
 
 /// First bytes each side sends: magic, then the protocol version (u16, little-endian).
@@ -147,15 +149,16 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
 pub enum Part {
     /// Bytes built for this frame (headers, small pieces copied together).
     Inline(Bytes),
-    /// A slice of a shard's bytes: memory-mapped file pages, which the sink may hand to the
-    /// kernel by reference instead of copying (see `sink.rs`).
-    Mapped(Bytes),
+    /// A slice of a shard's bytes, which the sink may hand to the kernel by reference
+    /// instead of copying when they are cache-file pages (see `sink.rs`).
+    Shard(ShardBytes),
 }
 
 impl Part {
-    pub fn bytes(&self) -> &Bytes {
+    pub fn bytes(&self) -> &[u8] {
         match self {
-            Part::Inline(b) | Part::Mapped(b) => b,
+            Part::Inline(b) => b,
+            Part::Shard(b) => b,
         }
     }
 }
@@ -240,7 +243,7 @@ pub fn encode_batch(
         for (_, data) in &s.fields {
             if data.len() > INLINE_MAX {
                 out.push(Part::Inline(std::mem::take(&mut inline).freeze()));
-                out.push(Part::Mapped(data.clone()));
+                out.push(Part::Shard(data.clone()));
             } else {
                 inline.put_slice(data);
             }
@@ -354,7 +357,12 @@ mod tests {
             url: url.clone(),
             fields: fields
                 .iter()
-                .map(|(n, len)| (Arc::from(*n), Bytes::from(vec![key.len() as u8; *len])))
+                .map(|(n, len)| {
+                    (
+                        Arc::from(*n),
+                        ShardBytes::heap(Bytes::from(vec![key.len() as u8; *len])),
+                    )
+                })
                 .collect(),
         }
     }
@@ -389,7 +397,7 @@ mod tests {
             let wf: Vec<(String, Bytes)> = w
                 .fields
                 .iter()
-                .map(|(n, d)| (n.to_string(), d.clone()))
+                .map(|(n, d)| (n.to_string(), d.as_bytes().clone()))
                 .collect();
             assert_eq!(g.fields, wf);
         }

@@ -15,9 +15,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::cache::FetchError;
 use crate::config::Config;
 use crate::metrics::Active;
 use crate::plan::{self, StreamRequest};
+use crate::prefetch::StreamId;
 use crate::protocol::{self, ErrorFrame, Kind, Request, Start};
 use crate::sink::Sink;
 use crate::stream::{self, StreamContext, StreamError};
@@ -173,8 +175,40 @@ async fn serve(
         worker: req.worker,
         num_workers: req.num_workers,
     };
-    let plan = plan::plan_stream(dataset.shards.len(), config.host, &stream_req)
-        .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
+    let plan = plan::plan_stream(
+        dataset.shards.len(),
+        dataset.share_seed,
+        config.host,
+        &stream_req,
+    )
+    .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
+    // The prefetcher follows this stream into the same stream's next epoch.
+    let next_epoch = req.epoch.checked_add(1).map(|epoch| {
+        let next = StreamRequest {
+            epoch,
+            ..stream_req
+        };
+        plan::plan_stream(dataset.shards.len(), dataset.share_seed, config.host, &next)
+            .map(|p| p.shards)
+            .unwrap_or_default()
+    });
+    let schedule_shards = plan
+        .shards
+        .iter()
+        .chain(next_epoch.iter().flatten())
+        .map(|&i| dataset.shards[i].clone())
+        .collect();
+    let schedule = daemon.streams.plans.open(
+        StreamId {
+            dataset: dataset.name.clone(),
+            seed: req.seed,
+            rank: req.rank,
+            world_size: req.world_size,
+            worker: req.worker,
+            num_workers: req.num_workers,
+        },
+        schedule_shards,
+    );
     let span = tracing::info_span!(
         "stream",
         dataset = %req.dataset,
@@ -197,7 +231,7 @@ async fn serve(
     let active = Active::new(&metrics.streams_active);
     let mut sink = Sink::new();
     let result = tokio::select! {
-        r = stream::pump(&daemon.streams, dataset, plan, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
+        r = stream::pump(&daemon.streams, dataset, plan, schedule, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
         _ = client_gone(rd) => None,
         _ = shutdown.cancelled() => {
             metrics.streams_total.with_label_values(&["cancelled"]).inc();
@@ -209,14 +243,13 @@ async fn serve(
         }
     };
     drop(active);
-    let _enter = span.enter();
     match result {
         Some(Ok(end)) => {
             metrics
                 .streams_total
                 .with_label_values(&["completed"])
                 .inc();
-            tracing::debug!(samples = end.samples, bytes = end.bytes, "stream completed");
+            tracing::debug!(parent: &span, samples = end.samples, bytes = end.bytes, "stream completed");
             let _ = protocol::write_json(wr, Kind::End, &end).await;
             Ok(())
         }
@@ -225,13 +258,26 @@ async fn serve(
                 .streams_total
                 .with_label_values(&["cancelled"])
                 .inc();
-            tracing::debug!("client left mid-stream");
+            tracing::debug!(parent: &span, "client left mid-stream");
+            Ok(())
+        }
+        Some(Err(StreamError::Stalled(after))) => {
+            metrics.streams_total.with_label_values(&["failed"]).inc();
+            metrics.streams_stalled_total.inc();
+            tracing::warn!(parent: &span, ?after, "client stopped reading; stream ended, its shards released");
+            // A frame may be cut off mid-way: nothing more can be said on this socket.
             Ok(())
         }
         Some(Err(e)) => {
             metrics.streams_total.with_label_values(&["failed"]).inc();
-            tracing::warn!(error = %e, "stream failed");
-            Err(refuse("stream_failed", e.to_string()))
+            tracing::warn!(parent: &span, error = %e, "stream failed");
+            let code = match &e {
+                StreamError::Fetch(f) if matches!(f.root(), FetchError::CacheFull { .. }) => {
+                    "cache_full"
+                }
+                _ => "stream_failed",
+            };
+            Err(refuse(code, e.to_string()))
         }
     }
 }

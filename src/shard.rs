@@ -6,13 +6,13 @@
 //! - consecutive members with the same key form one sample; a sample never spans shards;
 //! - the same field twice in one sample is an error.
 //!
-//! Field data are `Bytes` slices of the shard's bytes: nothing is copied.
+//! Field data are slices of the shard's bytes ([`ShardBytes`]): nothing is copied.
 
 use std::borrow::Cow;
 use std::io;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use crate::cache::ShardBytes;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
@@ -49,7 +49,7 @@ pub struct Sample {
     pub key: String,
     /// The shard URL, shared by all samples of the shard (`__url__`).
     pub url: Arc<str>,
-    pub fields: Vec<(Arc<str>, Bytes)>,
+    pub fields: Vec<(Arc<str>, ShardBytes)>,
 }
 
 impl Sample {
@@ -60,7 +60,7 @@ impl Sample {
 }
 
 /// Splits a tar's bytes into samples, in shard order.
-pub fn parse(data: &Bytes, url: &Arc<str>) -> Result<Vec<Sample>, ShardError> {
+pub fn parse(data: &ShardBytes, url: &Arc<str>) -> Result<Vec<Sample>, ShardError> {
     let mut samples: Vec<Sample> = Vec::new();
     // Field names repeat in every sample: share one allocation per distinct name.
     let mut names: Vec<Arc<str>> = Vec::new();
@@ -303,8 +303,9 @@ fn split_name(name: &str) -> Option<(&str, &str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
 
-    fn tar_of(members: &[(&str, &[u8])]) -> Bytes {
+    fn tar_of(members: &[(&str, &[u8])]) -> ShardBytes {
         let mut b = tar::Builder::new(Vec::new());
         for (name, data) in members {
             let mut h = tar::Header::new_gnu();
@@ -314,7 +315,7 @@ mod tests {
             // append_data writes GNU long-name records for names over 100 bytes.
             b.append_data(&mut h, name, *data).unwrap();
         }
-        Bytes::from(b.into_inner().unwrap())
+        ShardBytes::heap(Bytes::from(b.into_inner().unwrap()))
     }
 
     fn keys_and_fields(samples: &[Sample]) -> Vec<(String, Vec<String>)> {
@@ -399,7 +400,7 @@ mod tests {
         h.set_path("short.txt").unwrap();
         h.set_cksum();
         b.append(&h, &b"abc"[..]).unwrap();
-        let pax = Bytes::from(b.into_inner().unwrap());
+        let pax = ShardBytes::heap(Bytes::from(b.into_inner().unwrap()));
         let s = parse(&pax, &Arc::from("u")).unwrap();
         assert_eq!(s[0].key, format!("{}/y", "p".repeat(200)));
         assert_eq!(&s[0].fields[0].1[..], b"abc");
@@ -415,14 +416,14 @@ mod tests {
             "{err}"
         );
 
-        let garbage = Bytes::from(vec![0x5au8; 4096]);
+        let garbage = ShardBytes::heap(Bytes::from(vec![0x5au8; 4096]));
         let err = parse(&garbage, &url).unwrap_err().to_string();
         assert!(
             err.starts_with("gs://b/bad.tar: not a valid tar file"),
             "{err}"
         );
 
-        let err = parse(&Bytes::new(), &url).unwrap_err().to_string();
+        let err = parse(&ShardBytes::default(), &url).unwrap_err().to_string();
         assert_eq!(err, "gs://b/bad.tar: empty file, not a tar");
 
         // Sizes near u64::MAX (base-256 or PAX) must not wrap the walk around or panic.
@@ -434,7 +435,9 @@ mod tests {
             h.set_cksum();
             let mut data = h.as_bytes().to_vec();
             data.extend_from_slice(&[0u8; 1024]);
-            let err = parse(&Bytes::from(data), &url).unwrap_err().to_string();
+            let err = parse(&ShardBytes::heap(Bytes::from(data)), &url)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("truncated: member \"noext\""), "{size}: {err}");
         }
         let mut b = tar::Builder::new(Vec::new());
@@ -445,9 +448,12 @@ mod tests {
         h.set_path("k.txt").unwrap();
         h.set_cksum();
         b.append(&h, &b"abc"[..]).unwrap();
-        let err = parse(&Bytes::from(b.into_inner().unwrap()), &url)
-            .unwrap_err()
-            .to_string();
+        let err = parse(
+            &ShardBytes::heap(Bytes::from(b.into_inner().unwrap())),
+            &url,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("truncated: member \"k.txt\""), "{err}");
 
         let whole = tar_of(&[("k.bin", &[7u8; 5000])]);

@@ -1,15 +1,16 @@
 //! Writes encoded frames to a client's socket.
 //!
 //! Copying shard bytes into the socket is the daemon's largest cost (it shares the host's
-//! cores with the trainers it feeds), so large [`Part::Mapped`] pieces are not copied: they are
+//! cores with the trainers it feeds), so large [`Part::Shard`] pieces of cache-file memory
+//! ([`crate::cache::ShardBytes::spliceable`]) are not copied: they are
 //! `vmsplice`d into a per-connection pipe by reference and `splice`d from the pipe into the
 //! socket, which hands the page-cache pages themselves to the receiving side; the only copy
 //! left is the one into the trainer's memory. Everything else is `write`n into the same pipe
 //! (copied, in order). Without a pipe (e.g. out of file descriptors) the sink falls back to
 //! `writev` on the socket.
 //!
-//! Why borrowing pages is safe here: mapped parts are slices of read-only `MAP_SHARED` file
-//! mappings (see `cache.rs`). The kernel holds its own reference on each page until the
+//! Why borrowing pages is safe here: spliceable parts are slices of read-only `MAP_SHARED`
+//! mappings of committed cache files (the type says so; see `cache/bytes.rs`). The kernel holds its own reference on each page until the
 //! receiver has read it, so unmapping or unlinking the file meanwhile is harmless, and nobody
 //! writes to those pages. Heap memory is never vmspliced: it could be reused before it is read.
 
@@ -178,7 +179,7 @@ impl Pipe {
 /// Whether a part goes to the socket by reference. Decided on the whole part, so a part
 /// started by vmsplice is finished by vmsplice.
 fn spliced(part: &Part) -> bool {
-    matches!(part, Part::Mapped(b) if b.len() >= SPLICE_MIN)
+    matches!(part, Part::Shard(b) if b.len() >= SPLICE_MIN && b.spliceable().is_some())
 }
 
 fn result(n: isize) -> io::Result<usize> {
@@ -226,16 +227,18 @@ async fn writev_all(sock: &UnixStream, parts: &[Part]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::ShardBytes;
     use bytes::Bytes;
     use tokio::io::AsyncReadExt;
 
     /// A file-backed mapping, as the cache produces (vmsplice must only see such memory).
-    fn mapped(data: &[u8]) -> Bytes {
+    fn mapped(data: &[u8]) -> ShardBytes {
         use std::io::Write;
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(data).unwrap();
+        // SAFETY: a private temp file nobody else writes.
         let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
-        Bytes::from_owner(map)
+        ShardBytes::file_for_test(map)
     }
 
     async fn roundtrip(mut sink: Sink) {
@@ -245,15 +248,18 @@ mod tests {
             .flat_map(|_| rng.next_u64().to_le_bytes())
             .collect();
         let (heap, map) = (Bytes::from(pool.clone()), mapped(&pool));
+        let heap_shard = ShardBytes::heap(heap.clone());
+        assert!(heap_shard.spliceable().is_none() && map.spliceable().is_some());
         let mut frames = Vec::new();
         for _ in 0..20 {
             let parts: Vec<Part> = (0..rng.below(12) + 1)
                 .map(|_| {
                     let len = [0, 1, 100, 5000, SPLICE_MIN, 70_000, 3 << 20][rng.below(7) as usize];
                     let at = rng.below((pool.len() - len) as u64) as usize;
-                    match rng.below(2) {
+                    match rng.below(3) {
                         0 => Part::Inline(heap.slice(at..at + len)),
-                        _ => Part::Mapped(map.slice(at..at + len)),
+                        1 => Part::Shard(heap_shard.slice(at..at + len)),
+                        _ => Part::Shard(map.slice(at..at + len)),
                     }
                 })
                 .collect();

@@ -1,11 +1,16 @@
-//! One sample stream: the plan's shards, fetched a few ahead, parsed, shuffled window by
-//! window, and written as batch frames. Backpressure is end to end: the stream writes only as
-//! fast as the client reads, and fetches at most `cache.prefetch_shards` shards ahead of what
-//! it is sending, so memory is one shuffle window of sample descriptors plus those shards.
+//! One sample stream: the plan's shards, read through the host's cache one shard ahead,
+//! parsed, shuffled window by window, and written as batch frames.
+//!
+//! Downloads are not this module's business: the cache loads (once per host) and the
+//! prefetcher runs ahead of every stream, fed by the [`ScheduleHandle`] this stream moves as
+//! it goes. Backpressure is end to end: the stream writes only as fast as its client reads,
+//! and holds (pins) only the shards of its current shuffle window and the one being parsed
+//! next. A client that accepts nothing for `server.stall_timeout` ends the stream, which
+//! releases its pins.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::net::UnixStream;
 use tokio_util::task::AbortOnDropHandle;
@@ -14,11 +19,11 @@ use crate::cache::{Cache, FetchError};
 use crate::config::Dataset;
 use crate::metrics::Metrics;
 use crate::plan::StreamPlan;
+use crate::prefetch::{Plans, ScheduleHandle};
 use crate::protocol::{self, End};
 use crate::shard::{self, Sample, ShardError};
 use crate::shuffle::WindowShuffle;
 use crate::sink::Sink;
-use crate::store::Stores;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
@@ -34,30 +39,34 @@ pub enum StreamError {
     /// Writing to the client failed: it is gone, there is nobody to tell.
     #[error("client connection lost: {0}")]
     Client(std::io::Error),
+    #[error("the client accepted no data for server.stall_timeout ({0:?})")]
+    Stalled(Duration),
 }
 
 /// What every stream shares.
 pub struct StreamContext {
-    pub cache: Arc<Cache>,
-    pub stores: Arc<Stores>,
+    pub cache: Cache,
+    pub plans: Arc<Plans>,
     pub metrics: Arc<Metrics>,
-    pub prefetch_shards: usize,
+    pub stall_timeout: Duration,
 }
 
 /// Serves one stream to `sock` through `sink`; returns the END summary once every sample is
-/// written.
+/// written. `schedule` is the stream's registration with the prefetcher.
 pub async fn pump(
     ctx: &StreamContext,
     dataset: &Dataset,
     plan: StreamPlan,
+    schedule: ScheduleHandle,
     sock: &UnixStream,
     sink: &mut Sink,
 ) -> Result<End, StreamError> {
-    let mut loader = ShardLoader {
-        ctx,
+    let mut reader = ShardReader {
+        cache: &ctx.cache,
         dataset,
         queue: plan.shards.into(),
-        in_flight: VecDeque::new(),
+        next: None,
+        schedule,
     };
     let mut shuffle = WindowShuffle::new(plan.stream_key, dataset.shuffle_buffer);
     let mut loaded: VecDeque<Sample> = VecDeque::new();
@@ -69,7 +78,7 @@ pub async fn pump(
         let want = shuffle.next_len();
         while loaded.len() < want {
             let waited = Instant::now();
-            let next = loader.next().await;
+            let next = reader.next().await;
             ctx.metrics
                 .stream_wait_seconds_total
                 .inc_by(waited.elapsed().as_secs_f64());
@@ -87,7 +96,10 @@ pub async fn pump(
         let mut window: VecDeque<Sample> = window.into();
         while !window.is_empty() {
             let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
-            sink.send(sock, &parts).await.map_err(StreamError::Client)?;
+            tokio::time::timeout(ctx.stall_timeout, sink.send(sock, &parts))
+                .await
+                .map_err(|_| StreamError::Stalled(ctx.stall_timeout))?
+                .map_err(StreamError::Client)?;
             let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
             end.samples += sent.len() as u64;
             end.bytes += bytes;
@@ -97,52 +109,45 @@ pub async fn pump(
     }
 }
 
-/// Fetches and parses the plan's shards in order, a few ahead. Dropping it aborts what is
-/// still in flight.
-struct ShardLoader<'a> {
-    ctx: &'a StreamContext,
+/// Reads the plan's shards in order through the cache, the next one pinned and parsed while
+/// the current one is sent. Dropping it aborts what is in flight and releases its pins.
+struct ShardReader<'a> {
+    cache: &'a Cache,
     dataset: &'a Dataset,
     queue: VecDeque<usize>,
-    in_flight: VecDeque<AbortOnDropHandle<Result<Vec<Sample>, StreamError>>>,
+    next: Option<AbortOnDropHandle<Result<Vec<Sample>, StreamError>>>,
+    schedule: ScheduleHandle,
 }
 
-impl ShardLoader<'_> {
+impl ShardReader<'_> {
     /// The next shard's samples, or `None` after the last shard.
     async fn next(&mut self) -> Result<Option<Vec<Sample>>, StreamError> {
-        self.top_up();
-        let Some(task) = self.in_flight.pop_front() else {
-            return Ok(None);
+        let current = match self.next.take() {
+            Some(task) => task,
+            None => match self.start() {
+                Some(task) => task,
+                None => return Ok(None),
+            },
         };
-        let samples = task
+        self.next = self.start();
+        let samples = current
             .await
             .map_err(|e| StreamError::Internal(format!("shard task failed: {e}")))??;
-        self.top_up();
         Ok(Some(samples))
     }
 
-    /// Starts fetches until `prefetch_shards` are in flight. The first one is always started
-    /// (the stream needs it); further ones only while the cache is under its size limit.
-    fn top_up(&mut self) {
-        while self.in_flight.len() < self.ctx.prefetch_shards {
-            if !self.in_flight.is_empty() && !self.ctx.cache.budget().has_room() {
-                return;
-            }
-            let Some(index) = self.queue.pop_front() else {
-                return;
-            };
-            let shard = &self.dataset.shards[index];
-            let source = self.ctx.stores.source(shard);
+    fn start(&mut self) -> Option<AbortOnDropHandle<Result<Vec<Sample>, StreamError>>> {
+        let index = self.queue.pop_front()?;
+        self.schedule.advance();
+        let shard = self.dataset.shards[index].clone();
+        let cache = self.cache.clone();
+        Some(AbortOnDropHandle::new(tokio::spawn(async move {
+            let bytes = cache.get(&shard).await?;
             let url: Arc<str> = Arc::from(shard.as_str());
-            let cache = self.ctx.cache.clone();
-            self.in_flight
-                .push_back(AbortOnDropHandle::new(tokio::spawn(async move {
-                    let bytes = cache.fetch(source, &url).await?;
-                    let what = url.clone();
-                    tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
-                        .await
-                        .map_err(|e| StreamError::Internal(format!("{what}: parsing failed: {e}")))?
-                        .map_err(StreamError::from)
-                })));
-        }
+            tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
+                .await
+                .map_err(|e| StreamError::Internal(format!("{shard}: parsing failed: {e}")))?
+                .map_err(StreamError::from)
+        })))
     }
 }

@@ -207,7 +207,7 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 class Daemon:
     """A `shardd serve` process with its own config, socket and cache."""
 
-    def __init__(self, workdir, config_body, name="shardd", cache_dir=None, cache="", env=None):
+    def __init__(self, workdir, config_body, name="shardd", cache_dir=None, cache="", env=None, server=""):
         self.env = env or {}
         self.dir = pathlib.Path(workdir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ class Daemon:
         self.metrics_port = free_port()
         self.config = self.dir / "config.toml"
         self.config.write_text(
-            f'[server]\nsocket = "{self.socket}"\nmetrics_addr = "127.0.0.1:{self.metrics_port}"\n'
+            f'[server]\nsocket = "{self.socket}"\nmetrics_addr = "127.0.0.1:{self.metrics_port}"\n{server}\n'
             f'[cache]\ndir = "{cache_dir}"\n{cache}\n' + config_body
         )
         self.log_path = self.dir / "shardd.log"
@@ -273,8 +273,8 @@ class Daemon:
 def make_daemon(tmp_path):
     daemons = []
 
-    def make(config_body, name="shardd", cache_dir=None, cache="", env=None):
-        d = Daemon(tmp_path, config_body, name, cache_dir, cache, env)
+    def make(config_body, name="shardd", cache_dir=None, cache="", env=None, server=""):
+        d = Daemon(tmp_path, config_body, name, cache_dir, cache, env, server)
         daemons.append(d)
         return d
 

@@ -5,10 +5,10 @@ import subprocess
 
 import shardd
 
-from conftest import gcs_config
+from conftest import gcs_config, wait_for
 
 
-def test_metrics_pass_promtool_and_count_what_was_served(make_daemon, fake_gcs):
+def test_metrics_pass_promtool_and_count_what_was_served(make_daemon, fake_gcs, train_paths):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: run scripts/test.sh, which installs Debian's prometheus"
     d = make_daemon(gcs_config(fake_gcs))
@@ -20,4 +20,11 @@ def test_metrics_pass_promtool_and_count_what_was_served(make_daemon, fake_gcs):
     assert d.metric("shardd_samples_sent_total") == len(samples)
     assert d.metric("shardd_shard_fetches_total") == 12
     assert d.metric('shardd_streams_total{outcome="completed"}') == 1
-    assert d.metric("shardd_cache_bytes") == 0  # every shard released after the stream
+    # Every shard stays cached (with its 8 KiB record allowance), none is pinned any more.
+    shard_bytes = sum(p.stat().st_size for p in train_paths)
+    wait_for(lambda: d.metric("shardd_downloads_active") == 0, "prefetches to end")
+    assert d.metric("shardd_cache_resident_bytes") == shard_bytes + 12 * 8192
+    assert d.metric("shardd_cache_bytes") == d.metric("shardd_cache_resident_bytes")
+    assert d.metric("shardd_cache_pinned_bytes") == 0
+    assert d.metric('shardd_store_requests_total{kind="get"}') == 12
+    assert d.metric("shardd_cache_misses_total") + d.metric("shardd_cache_hits_total") == 12

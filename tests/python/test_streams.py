@@ -140,32 +140,35 @@ def test_cat_prints_key_and_field_sizes(two_hosts, train_paths):
     assert "5 samples" in out.stderr
 
 
-@pytest.mark.parametrize(
-    "max_size, fetched, held",
-    [
-        # Default budget: the shard being sent plus prefetch_shards = 2 ahead of it (the one
-        # already sent is released): 4 fetched, 3 held.
-        ("100GiB", 4, 3),
-        # Over budget nothing is prefetched beyond the shard needed next: 3 fetched, 2 held.
-        ("1", 3, 2),
-    ],
-)
-def test_a_reader_that_stops_stops_the_daemon(make_daemon, fake_gcs, shard_dir, max_size, fetched, held):
-    d = make_daemon(gcs_config(fake_gcs), cache=f'max_size = "{max_size}"')
-    shard_bytes = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size
+def test_a_reader_that_stops_holds_two_shards_then_is_cut_off(make_daemon, fake_gcs, shard_dir):
+    """A stream whose client stops reading pins only the shard it is sending and the one
+    parsed next; the prefetcher loads prefetch_shards more and stops; after
+    server.stall_timeout the stream ends and its pins are released."""
+    d = make_daemon(
+        gcs_config(fake_gcs), server='stall_timeout = "2s"', cache="prefetch_shards = 2",
+    )
+    charge = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size + 8192
     with shardd.Client(d.socket) as c:
         stream = c.stream("big", epoch=0, rank=0, world_size=1)
-        samples = [next(stream)]
-        # The daemon is now blocked writing the second sample to a socket nobody reads.
+        first = next(stream)
+        # The daemon is now blocked writing the second shard's sample to a socket nobody
+        # reads: shards 1 (sending) and 2 (parsed next) pinned; 3 and 4 prefetched.
         wait_for(
-            lambda: d.metric("shardd_shard_fetches_total") >= fetched
-            and d.metric("shardd_downloads_active") == 0,
+            lambda: d.metric("shardd_cache_resident_bytes") >= 5 * charge
+            and d.metric("shardd_cache_bytes") == d.metric("shardd_cache_resident_bytes")
+            and d.metric("shardd_cache_pinned_bytes") == 2 * charge,
             "prefetching to settle",
         )
-        assert d.metric("shardd_shard_fetches_total") == fetched
-        assert d.metric("shardd_cache_bytes") == held * shard_bytes
-        samples += list(stream)
+        assert d.metric("shardd_shard_fetches_total") == 5
+        assert d.metric("shardd_cache_resident_bytes") == 5 * charge
+        wait_for(lambda: d.metric("shardd_streams_stalled_total") == 1, "the stall timeout")
+        assert d.metric("shardd_cache_pinned_bytes") == 0
+        with pytest.raises(shardd.ProtocolError):
+            list(stream)
+    # The next reader is served from the cache: only the sixth shard is fetched.
+    samples = read_stream(d.socket, dataset="big", epoch=0, rank=0, world_size=1)
+    assert first["__key__"] == samples[0]["__key__"]
     assert sorted((s["__key__"], s["bin"]) for s in samples) == [
         (f"big{i}", big_payload(i)) for i in range(BIG_SHARDS)
     ]
-    wait_for(lambda: d.metric("shardd_cache_bytes") == 0, "the cache to be released")
+    assert d.metric("shardd_shard_fetches_total") == BIG_SHARDS

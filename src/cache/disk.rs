@@ -1,0 +1,388 @@
+//! The cache directory on disk: layout, the lock, atomic commits, checksums.
+//!
+//! ```text
+//! <cache.dir>/lock                 flock()ed by the daemon that owns the directory; holds its pid
+//! <cache.dir>/tmp/<pid>-<n>.part   downloads and decompression in progress
+//! <cache.dir>/entries/<key>-<pid>-<n>.tar   an entry's bytes (a plain tar)
+//! <cache.dir>/entries/<key>.meta   its metadata record (JSON): the entry exists iff this does
+//! ```
+//! `<key>` is the MD5 of the shard URL, in hex. An entry is committed in this order: the data
+//! is written to `tmp/`, fsynced and renamed into `entries/`; then the metadata record is
+//! written to `tmp/`, fsynced and renamed over `<key>.meta`; then the directory is fsynced.
+//! The metadata rename is the commit: after a crash (even `kill -9` or power loss) an entry is
+//! either whole with its record, or the record is missing and start-up deletes the orphaned
+//! data. Start-up deletes only names of these shapes inside `tmp/` and `entries/` (left by an
+//! earlier run of the daemon that holds the lock now); anything else is left alone.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use md5::Digest;
+use serde::{Deserialize, Serialize};
+
+use crate::store::Version;
+
+/// Bytes charged for each entry's metadata record (a record is refused if longer).
+pub const META_MAX: u64 = 8192;
+/// Layout version written in every record; a record of another version is not reused.
+const FORMAT: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(
+        "the cache directory {dir} is in use by another shardd (pid {pid}); two daemons must not share cache.dir"
+    )]
+    Locked { dir: PathBuf, pid: String },
+    #[error("cannot open the cache directory {dir}: {source}")]
+    Io { dir: PathBuf, source: io::Error },
+}
+
+/// An entry's metadata record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Meta {
+    pub format: u32,
+    /// The shard URL, as configured.
+    pub url: String,
+    /// The version of the source the entry was made from.
+    pub version: Version,
+    /// The data file's name inside `entries/`.
+    pub data: String,
+    /// Bytes of the data file (a gzipped shard's decompressed size).
+    pub size: u64,
+    /// CRC-32C of the data file: checked before an entry found at start-up is first served.
+    pub crc32c: u32,
+    /// Whether the source was gzip-compressed (the data file holds the plain tar).
+    pub gzip: bool,
+}
+
+pub struct Disk {
+    dir: PathBuf,
+    tmp: PathBuf,
+    entries: PathBuf,
+    /// Held (and flocked) for as long as the daemon runs.
+    _lock: File,
+    next: AtomicU64,
+}
+
+impl Disk {
+    /// Locks the directory (creating it), clears what an earlier run left in `tmp/`, and
+    /// returns the committed entries found. Blocking.
+    pub fn open(dir: &Path) -> Result<(Disk, Vec<Meta>), OpenError> {
+        let err = |source| OpenError::Io {
+            dir: dir.into(),
+            source,
+        };
+        let (tmp, entries) = (dir.join("tmp"), dir.join("entries"));
+        std::fs::create_dir_all(&tmp).map_err(err)?;
+        std::fs::create_dir_all(&entries).map_err(err)?;
+        let mut lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(dir.join("lock"))
+            .map_err(err)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut pid = String::new();
+                let _ = lock.read_to_string(&mut pid);
+                return Err(OpenError::Locked {
+                    dir: dir.into(),
+                    pid: pid.trim().to_string(),
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(err(e)),
+        }
+        lock.set_len(0).map_err(err)?;
+        lock.write_all(std::process::id().to_string().as_bytes())
+            .map_err(err)?;
+
+        for path in list(&tmp).map_err(err)? {
+            if path.extension().is_some_and(|e| e == "part") {
+                std::fs::remove_file(&path).map_err(err)?;
+                tracing::info!(path = %path.display(), "removed a partial file left by an earlier run");
+            }
+        }
+        let disk = Disk {
+            dir: dir.into(),
+            tmp,
+            entries,
+            _lock: lock,
+            next: AtomicU64::new(0),
+        };
+        let found = disk.scan().map_err(err)?;
+        Ok((disk, found))
+    }
+
+    /// Reads every record; removes records that do not parse or whose data file is missing
+    /// or of the wrong size, and data files no record names.
+    fn scan(&self) -> io::Result<Vec<Meta>> {
+        let mut found = Vec::new();
+        let mut named = std::collections::HashSet::new();
+        let paths = list(&self.entries)?;
+        for path in paths.iter().filter(|p| has_ext(p, "meta")) {
+            let meta = std::fs::read(path)
+                .ok()
+                .and_then(|text| serde_json::from_slice::<Meta>(&text).ok())
+                .filter(|m| {
+                    m.format == FORMAT && file_name(path) == format!("{}.meta", key(&m.url))
+                });
+            let size = meta
+                .as_ref()
+                .and_then(|m| std::fs::metadata(self.entries.join(&m.data)).ok())
+                .map(|d| d.len());
+            match meta {
+                Some(m) if size == Some(m.size) => {
+                    named.insert(m.data.clone());
+                    found.push(m);
+                }
+                _ => {
+                    tracing::warn!(path = %path.display(), "removed an unusable cache record");
+                    std::fs::remove_file(path)?;
+                }
+            }
+        }
+        for path in paths.iter().filter(|p| has_ext(p, "tar")) {
+            if !named.contains(&file_name(path)) {
+                tracing::info!(path = %path.display(), "removed cache data no record names");
+                std::fs::remove_file(path)?;
+            }
+        }
+        Ok(found)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A new empty file in `tmp/`, removed again when the returned guard drops unless
+    /// committed.
+    pub fn temp_file(&self) -> io::Result<(TempFile, File)> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let path = self.tmp.join(format!("{}-{n}.part", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)?;
+        Ok((TempFile(Some(path)), file))
+    }
+
+    pub fn data_path(&self, meta: &Meta) -> PathBuf {
+        self.entries.join(&meta.data)
+    }
+
+    /// Commits `data` as the entry for `meta.url` (filling in `meta.data`), atomically.
+    pub fn commit(&self, data: TempFile, mut meta: Meta) -> io::Result<Meta> {
+        let key = key(&meta.url);
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        meta.data = format!("{key}-{}-{n}.tar", std::process::id());
+        let record = serde_json::to_vec(&meta).map_err(io::Error::other)?;
+        if record.len() as u64 > META_MAX {
+            return Err(io::Error::other(
+                "the cache record is over 8 KiB (URL too long)",
+            ));
+        }
+        File::open(data.path())?.sync_all()?;
+        std::fs::rename(data.path(), self.entries.join(&meta.data))?;
+        data.disarm();
+        let (record_tmp, mut file) = self.temp_file()?;
+        file.write_all(&record)?;
+        file.sync_all()?;
+        std::fs::rename(record_tmp.path(), self.entries.join(format!("{key}.meta")))?;
+        record_tmp.disarm();
+        File::open(&self.entries)?.sync_all()?;
+        Ok(meta)
+    }
+
+    /// Removes an entry: its record first (so a crash in between leaves only orphaned data,
+    /// which start-up removes), then its data.
+    pub fn remove(&self, meta: &Meta) -> io::Result<()> {
+        let record = self.entries.join(format!("{}.meta", key(&meta.url)));
+        // The record may already name a newer entry for the same URL: only remove ours.
+        let ours = std::fs::read(&record)
+            .ok()
+            .and_then(|t| serde_json::from_slice::<Meta>(&t).ok())
+            .is_some_and(|m| m.data == meta.data);
+        if ours {
+            std::fs::remove_file(&record)?;
+        }
+        match std::fs::remove_file(self.entries.join(&meta.data)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A file in `tmp/` that is deleted on drop unless disarmed.
+pub struct TempFile(Option<PathBuf>);
+
+impl TempFile {
+    pub fn path(&self) -> &Path {
+        self.0.as_deref().expect("not disarmed")
+    }
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// CRC-32C of a file, and its MD5 when asked for. One sequential read. Blocking.
+pub fn checksums(path: &Path, with_md5: bool) -> io::Result<(u32, Option<String>)> {
+    let mut file = File::open(path)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut crc, mut md5) = (0u32, with_md5.then(md5::Md5::new));
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        if let Some(h) = md5.as_mut() {
+            h.update(&buf[..n]);
+        }
+    }
+    Ok((crc, md5.map(|h| hex(&h.finalize()))))
+}
+
+/// Whether a file starts with the gzip magic bytes (as `tarfile` and webdataset detect it).
+pub fn is_gzip(path: &Path) -> io::Result<bool> {
+    let mut magic = [0u8; 2];
+    let n = File::open(path)?.read(&mut magic)?;
+    Ok(n == 2 && magic == [0x1f, 0x8b])
+}
+
+/// The file name an entry's record has: the URL's MD5 in hex.
+fn key(url: &str) -> String {
+    hex(&md5::Md5::digest(url.as_bytes()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn list(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    std::fs::read_dir(dir)?
+        .map(|e| e.map(|e| e.path()))
+        .collect()
+}
+
+fn has_ext(path: &Path, ext: &str) -> bool {
+    path.extension().is_some_and(|e| e == ext)
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(url: &str, size: u64) -> Meta {
+        Meta {
+            format: FORMAT,
+            url: url.into(),
+            version: Version {
+                size,
+                e_tag: Some("\"abc\"".into()),
+                generation: None,
+            },
+            data: String::new(),
+            size,
+            crc32c: 0,
+            gzip: false,
+        }
+    }
+
+    fn commit(disk: &Disk, url: &str, bytes: &[u8]) -> Meta {
+        let (tmp, mut f) = disk.temp_file().unwrap();
+        f.write_all(bytes).unwrap();
+        disk.commit(tmp, meta(url, bytes.len() as u64)).unwrap()
+    }
+
+    #[test]
+    fn entries_survive_a_restart_and_partial_ones_do_not() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (disk, found) = Disk::open(dir.path()).unwrap();
+            assert!(found.is_empty());
+            commit(&disk, "gs://b/a.tar", b"aaaa");
+            let b = commit(&disk, "gs://b/b.tar", b"bbbbbb");
+            // A crash mid-download, and one between the data rename and the record rename.
+            let (tmp, mut f) = disk.temp_file().unwrap();
+            f.write_all(b"partial").unwrap();
+            std::mem::forget(tmp);
+            std::fs::remove_file(
+                dir.path()
+                    .join("entries")
+                    .join(format!("{}.meta", key(&b.url))),
+            )
+            .unwrap();
+            std::fs::write(dir.path().join("entries/unrelated.txt"), b"x").unwrap();
+        }
+        let (_disk, found) = Disk::open(dir.path()).unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].url, "gs://b/a.tar");
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("tmp")).unwrap().count(),
+            0
+        );
+        let mut left: Vec<String> = list(&dir.path().join("entries"))
+            .unwrap()
+            .iter()
+            .map(|p| file_name(p))
+            .collect();
+        left.sort();
+        assert_eq!(left.len(), 3, "{left:?}"); // a's data and record, and the unrelated file
+        assert!(left.contains(&"unrelated.txt".to_string()));
+    }
+
+    #[test]
+    fn a_second_daemon_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let _first = Disk::open(dir.path()).unwrap();
+        let err = Disk::open(dir.path()).err().unwrap().to_string();
+        assert!(
+            err.contains(&format!(
+                "in use by another shardd (pid {})",
+                std::process::id()
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_record_with_the_wrong_size_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = {
+            let (disk, _) = Disk::open(dir.path()).unwrap();
+            disk.data_path(&commit(&disk, "gs://b/a.tar", b"aaaa"))
+        };
+        std::fs::write(&data, b"aa").unwrap();
+        let (_disk, found) = Disk::open(dir.path()).unwrap();
+        assert!(found.is_empty());
+    }
+
+    #[test]
+    fn checksums_match_known_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x");
+        std::fs::write(&p, b"123456789").unwrap();
+        let (crc, md5) = checksums(&p, true).unwrap();
+        assert_eq!(crc, 0xE306_9283); // the CRC-32C check value
+        assert_eq!(md5.unwrap(), "25f9e794323b453885f5181f1b624d0b");
+    }
+}

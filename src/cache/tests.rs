@@ -1,0 +1,249 @@
+//! Unit tests of the cache against real files: local shards as the source (copied in, as
+//! the daemon does), a real temp cache directory.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::cache::evict::NoForesight;
+use crate::config::Config;
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    src: PathBuf,
+    cache_dir: PathBuf,
+    metrics: Arc<Metrics>,
+    config: Config,
+}
+
+impl Fixture {
+    /// `shards` local files of `size` bytes each (distinct contents), and a config naming them.
+    fn new(shards: usize, size: usize) -> Fixture {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        for i in 0..shards {
+            std::fs::write(src.join(format!("s{i}.tar")), content(i, size)).unwrap();
+        }
+        let cache_dir = tmp.path().join("cache");
+        let text = format!(
+            "[datasets.d]\nshards = \"{}/s{{0..{}}}.tar\"\n",
+            src.display(),
+            shards - 1
+        );
+        let config = Config::parse(&text, tmp.path()).unwrap();
+        Fixture {
+            _tmp: tmp,
+            src,
+            cache_dir,
+            metrics: Arc::new(Metrics::new()),
+            config,
+        }
+    }
+
+    fn open(&self, max_bytes: u64, revalidate: Duration) -> Cache {
+        let stores = Arc::new(Stores::from_config(&self.config, self.metrics.clone()).unwrap());
+        let limits = Limits {
+            max_bytes,
+            space_timeout: Duration::from_millis(300),
+            revalidate,
+        };
+        Cache::open(
+            &self.cache_dir,
+            limits,
+            stores,
+            Arc::new(NoForesight),
+            self.metrics.clone(),
+        )
+        .unwrap()
+    }
+
+    fn shard(&self, i: usize) -> ShardUrl {
+        self.config.datasets["d"].shards[i].clone()
+    }
+
+    fn reads(&self) -> u64 {
+        self.metrics.shard_fetches_total.get()
+    }
+
+    /// Bytes of every file under the cache directory (what `du --apparent-size` would say).
+    fn bytes_on_disk(&self) -> u64 {
+        fn walk(p: &Path) -> u64 {
+            std::fs::read_dir(p)
+                .unwrap()
+                .map(|e| {
+                    let e = e.unwrap();
+                    let m = e.metadata().unwrap();
+                    if m.is_dir() { walk(&e.path()) } else { m.len() }
+                })
+                .sum()
+        }
+        walk(&self.cache_dir)
+    }
+}
+
+fn content(i: usize, size: usize) -> Vec<u8> {
+    let mut rng = crate::shuffle::SplitMix64::new(i as u64 + 1);
+    (0..size).map(|_| rng.next_u64() as u8).collect()
+}
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_gets_read_the_source_once() {
+    let f = Fixture::new(1, 300_000);
+    let cache = f.open(10 << 20, HOUR);
+    let gets: Vec<_> = (0..8)
+        .map(|_| {
+            let (c, s) = (cache.clone(), f.shard(0));
+            tokio::spawn(async move { c.get(&s).await.unwrap() })
+        })
+        .collect();
+    for g in gets {
+        assert!(g.await.unwrap()[..] == content(0, 300_000)[..]);
+    }
+    assert_eq!(f.reads(), 1);
+    assert_eq!(f.metrics.cache_pinned_bytes.get(), 0);
+    // Cached bytes are cache-file memory, which the sink may splice.
+    assert!(cache.get(&f.shard(0)).await.unwrap().spliceable().is_some());
+}
+
+#[tokio::test]
+async fn the_budget_is_hard_and_pinned_entries_stay() {
+    let size = 100_000u64;
+    let f = Fixture::new(4, size as usize);
+    // Room for two entries and their records, not three.
+    let cache = f.open(2 * (size + META_MAX) + 1000, HOUR);
+    let a = cache.get(&f.shard(0)).await.unwrap();
+    let b = cache.get(&f.shard(1)).await.unwrap();
+    assert!(f.bytes_on_disk() <= cache.max_bytes());
+    // Both pinned: a third waits for space, then fails with the numbers.
+    let err = cache.get(&f.shard(2)).await.unwrap_err().to_string();
+    assert!(err.starts_with("cache full: "), "{err}");
+    assert!(
+        err.contains(&format!("needs {} bytes", size + META_MAX))
+            && err.contains(&format!(
+                "{} are pinned by open streams",
+                2 * (size + META_MAX)
+            )),
+        "{err}"
+    );
+    // Release one: the third evicts it, never the pinned one.
+    drop(a);
+    let c = cache.get(&f.shard(2)).await.unwrap();
+    assert!(c[..] == content(2, size as usize)[..]);
+    assert!(b[..] == content(1, size as usize)[..]);
+    assert_eq!(f.metrics.cache_evictions_total.get(), 1);
+    assert!(f.bytes_on_disk() <= cache.max_bytes());
+    assert!(cache.is_ready(&f.shard(1)) && !cache.is_ready(&f.shard(0)));
+    // A waiting demand is served as soon as a pin is released.
+    let waiter = {
+        let (cache, s) = (cache.clone(), f.shard(3));
+        tokio::spawn(async move { cache.get(&s).await.map(|b| b.len()) })
+    };
+    tokio::task::yield_now().await;
+    drop(b);
+    assert_eq!(waiter.await.unwrap().unwrap(), size as usize);
+    assert_eq!(f.metrics.cache_bytes.get() as u64, 2 * (size + META_MAX));
+}
+
+#[tokio::test]
+async fn an_object_larger_than_the_budget_is_refused_before_reading() {
+    let f = Fixture::new(1, 50_000);
+    let cache = f.open(40_000, HOUR);
+    let err = cache.get(&f.shard(0)).await.unwrap_err().to_string();
+    assert!(
+        err.ends_with("s0.tar: 50000 bytes do not fit in cache.max_size (40000 bytes)"),
+        "{err}"
+    );
+    assert_eq!(f.reads(), 0);
+}
+
+#[tokio::test]
+async fn entries_survive_a_restart_and_corruption_is_caught() {
+    let f = Fixture::new(2, 64_000);
+    {
+        let cache = f.open(10 << 20, HOUR);
+        cache.get(&f.shard(0)).await.unwrap();
+        cache.get(&f.shard(1)).await.unwrap();
+    }
+    assert_eq!(f.reads(), 2);
+    // Flip a byte of one entry while the daemon is down.
+    let entries = f.cache_dir.join("entries");
+    let victim = std::fs::read_dir(&entries)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "tar"))
+        .unwrap();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    bytes[1000] ^= 0xff;
+    std::fs::write(&victim, &bytes).unwrap();
+
+    let cache = f.open(10 << 20, HOUR);
+    for i in 0..2 {
+        assert!(cache.get(&f.shard(i)).await.unwrap()[..] == content(i, 64_000)[..]);
+    }
+    assert_eq!(f.reads(), 3, "only the corrupted entry is read again");
+    assert_eq!(f.metrics.cache_verify_failures_total.get(), 1);
+}
+
+#[tokio::test]
+async fn a_changed_source_is_fetched_again_and_a_cached_copy_survives_truncation() {
+    let f = Fixture::new(1, 80_000);
+    let cache = f.open(10 << 20, Duration::ZERO);
+    let first = cache.get(&f.shard(0)).await.unwrap();
+    // The operator truncates the local file while it is being served: our copy is intact.
+    let path = f.src.join("s0.tar");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(10)
+        .unwrap();
+    assert!(first[..] == content(0, 80_000)[..]);
+    drop(first);
+    // Next use checks the source (revalidate = 0): it changed, so it is read again.
+    std::fs::write(&path, content(7, 5000)).unwrap();
+    assert!(cache.get(&f.shard(0)).await.unwrap()[..] == content(7, 5000)[..]);
+    assert_eq!(f.reads(), 2);
+    // Gone from the source: an error naming it, whatever the cache holds.
+    std::fs::remove_file(&path).unwrap();
+    let err = cache.get(&f.shard(0)).await.unwrap_err().to_string();
+    assert_eq!(err, format!("{}: object not found", path.display()));
+}
+
+#[tokio::test]
+async fn gzip_is_stored_decompressed_within_the_budget() {
+    use std::io::Write;
+    let f = Fixture::new(2, 10);
+    let plain = content(3, 400_000);
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&plain).unwrap();
+    std::fs::write(f.src.join("s0.tar"), gz.finish().unwrap()).unwrap();
+    let cache = f.open(2 << 20, HOUR);
+    assert!(cache.get(&f.shard(0)).await.unwrap()[..] == plain[..]);
+    assert!(f.bytes_on_disk() <= cache.max_bytes());
+
+    // A bomb: 4 MiB of zeros in a few KB must not get past a 1 MiB budget.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(&vec![0u8; 4 << 20]).unwrap();
+    std::fs::write(f.src.join("s1.tar"), gz.finish().unwrap()).unwrap();
+    let small = Fixture {
+        cache_dir: f.cache_dir.with_file_name("small"),
+        ..f
+    };
+    let cache = small.open(1 << 20, HOUR);
+    let err = cache.get(&small.shard(1)).await.unwrap_err().to_string();
+    assert!(
+        err.contains("s1.tar: decompresses to more than the cache can hold"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(small.cache_dir.join("tmp"))
+            .unwrap()
+            .count(),
+        0
+    );
+    assert_eq!(small.metrics.cache_bytes.get(), 0);
+}
