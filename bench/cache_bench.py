@@ -22,8 +22,8 @@ under bench/data/cache_bench/ (kept; --data to move it).
    Prints MB/s (object bytes / time from opening the stream to its end) and the ratio. A
    daemon that does not know these keys (older build: "unknown field") is reported as such.
 
-    .venv/bin/python bench/cache_bench.py                 # ~16 x 32 MB shards, ~2.5 minutes
-    .venv/bin/python bench/cache_bench.py --quick         # small data, well under a minute
+    .venv/bin/python bench/cache_bench.py                 # 16 x 32 MB shards, 256 MB object: ~1.5 min
+    .venv/bin/python bench/cache_bench.py --quick         # 6 x 8 MB shards, 64 MB object: ~15 s
     .venv/bin/python bench/cache_bench.py --config-extra '[cache]
     prefetch_shards = 4'                                  # merged into the daemon's config
 
@@ -33,11 +33,13 @@ proxy-bound measurement (many parallel connections) can be recognised.
 """
 
 import argparse
+import contextlib
 import json
 import pathlib
 import random
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,8 +77,6 @@ def wait_for(condition, what, timeout=DEADLINE):
 
 
 def free_port():
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -278,10 +278,9 @@ def sample_bytes(sample):
 
 def run_epochs(store, daemon, epochs, rate):
     """Reads ``epochs`` epochs back to back at ``rate`` bytes/s. Returns (per-epoch dicts,
-    stall intervals, late intervals, the proxy's counters before the first stream)."""
+    stall intervals, the proxy's counters before the first stream)."""
     client = shardd.Client(daemon.socket)
     stalls = []  # (start, end) of every stall, on the time.monotonic() clock
-    late = []  # (due, called) whenever the consumer asked for a sample after it was due
     results = []
     startup = store.stats()  # requests the daemon made before any stream (listing, metadata)
     before = startup
@@ -298,17 +297,17 @@ def run_epochs(store, daemon, epochs, rate):
             except StopIteration:
                 break
             got = time.monotonic()
-            if called > due:  # the consumer's own lateness (a busy CPU), not the daemon's
-                late.append((due, called))
-            if got > max(called, due):
-                stalls.append((max(called, due), got))
+            stall = got - max(called, due)  # waiting for the daemon past the due time
+            if stall > 0:
+                stalls.append((got - stall, got))
             if first is None:
                 first = got
             size = sample_bytes(sample)
             samples += 1
             nbytes += size
-            # The trainer spends size/rate on this sample, starting when it has it.
-            due = max(got, due) + size / rate
+            # The trainer spends size/rate on this sample, starting when it has it: stalls
+            # delay the schedule, the consumer's own lateness is caught up (next sleep shorter).
+            due += max(0.0, stall) + size / rate
             if (ahead := due - time.monotonic()) > 0:
                 time.sleep(ahead)
         ended = time.monotonic()
@@ -321,16 +320,17 @@ def run_epochs(store, daemon, epochs, rate):
         })
         before = after
         print(f"epoch {epoch}: {samples} samples in {ended - opened:.1f}s", flush=True)
-    return results, stalls, late, startup
+    return results, stalls, startup
 
 
-def report_epochs(results, stalls, late, startup, dataset_bytes):
+def report_epochs(results, stalls, startup, dataset_bytes, rate):
     """The per-epoch table and the overall stall figures, as lines."""
     out = [f"{'epoch':>5} {'samples':>7} {'MB':>6} {'secs':>6} {'1st sample':>10} {'GETs':>5} "
-           f"{'store MB':>8} {'store/data':>10} {'stall':>6} {'stall 1st s':>11} {'late':>5}"]
+           f"{'store MB':>8} {'store/data':>10} {'stall':>6} {'stall 1st s':>11} {'lost':>5}"]
     for e, r in enumerate(results):
         secs = r["ended"] - r["opened"]
-        stall = overlap(stalls, r["opened"], r["ended"]) / secs if secs else 0.0
+        stall = overlap(stalls, r["opened"], r["ended"]) / secs
+        lost = 1 - stall - r["bytes"] / rate / secs  # neither the trainer's work nor stall
         ttfs = f"{r['first'] - r['opened']:.3f}s" if r["first"] else "-"
         if e == 0:
             first_second = "(cold)"  # the cold start is the "1st sample" column
@@ -339,7 +339,7 @@ def report_epochs(results, stalls, late, startup, dataset_bytes):
             first_second = f"{100 * overlap(stalls, r['opened'], r['opened'] + window) / window:.1f}%"
         out.append(f"{e:>5} {r['samples']:>7} {r['bytes'] / MB:>6.0f} {secs:>6.1f} {ttfs:>10} {r['gets']:>5} "
                    f"{r['store_bytes'] / MB:>8.1f} {r['store_bytes'] / dataset_bytes:>9.2f}x "
-                   f"{100 * stall:>5.1f}% {first_second:>11} {100 * overlap(late, r['opened'], r['ended']) / secs:>4.0f}%")
+                   f"{100 * stall:>5.1f}% {first_second:>11} {100 * lost:>4.0f}%")
     start, end = results[0]["opened"], results[-1]["ended"]
     warm_from = results[0]["first"] or start
     total = overlap(stalls, start, end) / (end - start)
@@ -347,8 +347,8 @@ def report_epochs(results, stalls, late, startup, dataset_bytes):
     out.append(f"stall overall {100 * total:.1f}% of {end - start:.1f}s; after the first sample arrived "
                f"{100 * warm:.1f}% of {end - warm_from:.1f}s")
     out.append(f"object-store requests before the first stream: {dict(startup['requests']) or 'none'}")
-    out.append("(late: time the consumer itself was behind its schedule, e.g. short of CPU; if it is "
-               "more than a few %, the machine was too busy for these figures)")
+    out.append("(lost: epoch time that is neither the consumer's work at the set rate nor stall: the "
+               "consumer fell behind its schedule. More than a few % = the machine was too busy.)")
     return out
 
 
@@ -419,14 +419,14 @@ def main():
                   f"{args.bandwidth_mbs:g} MB/s per connection; consumer {args.rate_mbs:g} MB/s")
     if extra:
         report.append(f"config extra: {extra}")
-    if args.workdir:
+    if args.workdir:  # kept, for a look at the logs and configs afterwards
         pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="cache-bench-", dir=args.workdir or None,
-                                     ignore_cleanup_errors=True) as tmp:
+        workdir = contextlib.nullcontext(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
+        print(f"logs and configs under {workdir.enter_result}")
+    else:
+        workdir = tempfile.TemporaryDirectory(prefix="cache-bench-")
+    with workdir as tmp:
         tmp = pathlib.Path(tmp)
-        if args.workdir:  # keep the logs and configs for a look afterwards
-            tmp = pathlib.Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
-            print(f"logs and configs under {tmp}")
 
         if not args.skip_epochs:
             root = data / f"train-{shards}x{shard_bytes}-{sample}"
@@ -444,9 +444,9 @@ def main():
                     raise
                 finally:
                     daemon.stop()
-                report += report_epochs(*measured, sum(sizes))
+                report += report_epochs(*measured, sum(sizes), args.rate_mbs * MB)
             except ConfigRejected as e:
-                report.append(f"the daemon rejected the config (needs a newer build?): {e}")
+                report.append(f"the daemon rejected the config (an older build?): {e}")
             finally:
                 store.stop()
 
@@ -472,13 +472,16 @@ def main():
                     secs, gets, ranged, cpu = pull_once(binary, tmp, store, config)
                     rates.append(size / secs / MB)
                     if len(rates) == 1:
-                        report.append(f"{'':30} {'MB/s':>7} {'secs':>6} {'GETs':>5} {'ranged':>6} {'proxy CPU':>9}")
-                    report.append(f"{label:30} {rates[-1]:7.1f} {secs:6.2f} {gets:>5} {ranged:>6} "
+                        report.append(f"{'':30} {'MB/s':>7} {'secs':>6} {'GETs':>5} {'w/ Range':>8} {'proxy CPU':>9}")
+                    report.append(f"{label:30} {rates[-1]:7.1f} {secs:6.2f} {gets:>5} {ranged:>8} "
                                   f"{100 * cpu / secs:>8.0f}%")
                 report.append(f"ranged / one GET: {rates[1] / rates[0]:.2f}x")
             except ConfigRejected as e:
-                report.append(f"store.part_size / parts_in_flight rejected: this measurement needs the new "
-                              f"daemon build ({e})")
+                if "unknown field `part" in str(e):
+                    report.append(f"this measurement needs the new daemon build (store.part_size and "
+                                  f"store.parts_in_flight): {e}")
+                else:
+                    report.append(f"the daemon rejected the config: {e}")
             finally:
                 store.stop()
 

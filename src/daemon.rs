@@ -123,7 +123,7 @@ async fn warm_at_start(config: Config, cache: Cache) {
                 .map(|i| dataset.shards[i].clone())
                 .collect();
         let (mut loaded, mut failed) = (0u64, 0usize);
-        let complete = prefetch::warm(&cache, &share, config.max_downloads, |_, r| match r {
+        let complete = prefetch::warm(&cache, &share, config.max_downloads, |r| match r {
             Ok(crate::cache::Ensured::Loaded(n)) => loaded += n,
             Ok(_) => {}
             Err(_) => failed += 1,

@@ -53,6 +53,12 @@ impl std::fmt::Debug for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
+        let metrics = Self::unlabelled();
+        metrics.init_labels();
+        metrics
+    }
+
+    fn unlabelled() -> Metrics {
         let registry = Registry::new_custom(Some("shardd".into()), None).expect("valid prefix");
         fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
             r.register(Box::new(m.clone()))
@@ -127,6 +133,19 @@ impl Metrics {
             cache_prefetched_bytes_total: counter("cache_prefetched_bytes_total", "Bytes fetched into the cache before any stream asked for them."),
             streams_stalled_total: counter("streams_stalled_total", "Streams ended because the client read nothing for server.stall_timeout."),
             registry,
+        }
+    }
+
+    /// Series that exist from the start (a dashboard's rate() needs the zero).
+    fn init_labels(&self) {
+        for kind in ["head", "get"] {
+            self.store_requests_total.with_label_values(&[kind]);
+        }
+        for kind in ["not_found", "changed", "other"] {
+            self.store_errors_total.with_label_values(&[kind]);
+        }
+        for outcome in ["completed", "failed", "cancelled"] {
+            self.streams_total.with_label_values(&[outcome]);
         }
     }
 

@@ -28,6 +28,8 @@ use crate::url::ShardUrl;
 pub const LINGER: Duration = Duration::from_secs(600);
 /// How long a shard whose prefetch failed is left to the streams that need it.
 const FAILED_BACKOFF: Duration = Duration::from_secs(60);
+/// How long a shard the prefetcher loaded or checked is left alone.
+const RECHECK_AFTER: Duration = Duration::from_secs(1);
 /// Ended streams' schedules kept at most (the oldest go first).
 const MAX_LINGERING: usize = 4096;
 
@@ -182,10 +184,14 @@ pub async fn run(
     // Shards whose load failed: not prefetched again for a while (the stream that needs one
     // loads it itself, and reports the error).
     let mut failed: HashMap<String, Instant> = HashMap::new();
+    // Shards just loaded or checked: not asked about again for a moment, even when
+    // `cache.revalidate` is shorter (each check is a HEAD).
+    let mut recent: HashMap<String, Instant> = HashMap::new();
     loop {
         let releases = cache.releases();
         no_room.retain(|_, at| *at == releases);
         failed.retain(|_, at| at.elapsed() < FAILED_BACKOFF);
+        recent.retain(|_, at| at.elapsed() < RECHECK_AFTER);
         for (shard, distance) in plans.wanted(per_stream) {
             if in_flight.len() >= max_in_flight {
                 break;
@@ -194,6 +200,7 @@ pub async fn run(
             if loading.contains(&url)
                 || no_room.contains_key(&url)
                 || failed.contains_key(&url)
+                || recent.contains_key(&url)
                 || cache.is_ready(&shard)
             {
                 continue;
@@ -212,7 +219,9 @@ pub async fn run(
             Some((url, result, releases)) = in_flight.next(), if !in_flight.is_empty() => {
                 loading.remove(&url);
                 match result {
-                    Ok(_) => {}
+                    Ok(_) => {
+                        recent.insert(url, Instant::now());
+                    }
                     Err(e) if matches!(e.root(), FetchError::NoRoom { .. }) => {
                         no_room.insert(url, releases);
                     }
@@ -234,7 +243,7 @@ pub async fn warm(
     cache: &Cache,
     shards: &[ShardUrl],
     parallel: usize,
-    mut progress: impl FnMut(&ShardUrl, &Result<Ensured, FetchError>),
+    mut progress: impl FnMut(&Result<Ensured, FetchError>),
 ) -> bool {
     let mut next = shards.iter();
     let mut in_flight = FuturesUnordered::new();
@@ -242,16 +251,16 @@ pub async fn warm(
     loop {
         while !full && in_flight.len() < parallel {
             let Some(shard) = next.next() else { break };
-            in_flight.push(async move { (shard, cache.ensure(shard, Purpose::Warm).await) });
+            in_flight.push(cache.ensure(shard, Purpose::Warm));
         }
-        let Some((shard, result)) = in_flight.next().await else {
+        let Some(result) = in_flight.next().await else {
             break;
         };
         if let Err(e) = &result {
             all = false;
             full |= matches!(e.root(), FetchError::NoRoom { .. });
         }
-        progress(shard, &result);
+        progress(&result);
     }
     all && next.next().is_none()
 }

@@ -93,17 +93,24 @@ pub struct Version {
 }
 
 impl Version {
-    /// The content MD5 the store vouches for, in hex: the ETag of a GCS object that is not a
-    /// composite, and of an S3 object uploaded in one part, is the MD5 of its bytes. Other
-    /// ETags (multipart `…-N`, composite, local) say nothing about the content.
+    /// The content MD5 the store vouches for, in hex. The ETag of a GCS object that is not a
+    /// composite, and of an S3 object uploaded in one part, is the MD5 of its bytes: in hex
+    /// (GCS's XML API, S3), or in base64 as GCS writes `md5Hash` (fake-gcs-server's ETags).
+    /// Other ETags (multipart `…-N`, composite, local) say nothing about the content.
+    /// (object_store does not surface `x-goog-hash`, so the ETag is what we have.)
     pub fn md5(&self) -> Option<String> {
+        use base64::Engine;
         let tag = self
             .e_tag
             .as_deref()?
             .trim_start_matches("W/")
             .trim_matches('"');
-        (tag.len() == 32 && tag.bytes().all(|b| b.is_ascii_hexdigit()))
-            .then(|| tag.to_ascii_lowercase())
+        if tag.len() == 32 && tag.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Some(tag.to_ascii_lowercase());
+        }
+        let raw = base64::engine::general_purpose::STANDARD.decode(tag).ok()?;
+        (tag.len() == 24 && raw.len() == 16)
+            .then(|| raw.iter().map(|b| format!("{b:02x}")).collect())
     }
 }
 
@@ -459,4 +466,31 @@ fn s3(
         }
     }
     Ok(Arc::new(b.build()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Version;
+
+    #[test]
+    fn md5_comes_from_etags_that_are_one() {
+        let v = |tag: &str| Version {
+            size: 0,
+            e_tag: Some(tag.into()),
+            generation: None,
+        };
+        let hex = "764efa883dda1e11db47671c4a3bbd9e";
+        assert_eq!(v(&format!("\"{hex}\"")).md5().as_deref(), Some(hex));
+        assert_eq!(
+            v("\"dk76iD3aHhHbR2ccSju9ng==\"").md5().as_deref(),
+            Some(hex)
+        );
+        for other in [
+            "\"764efa883dda1e11db47671c4a3bbd9e-3\"",
+            "CKih16GjycICEAE=",
+            "local:1:2:3",
+        ] {
+            assert_eq!(v(other).md5(), None, "{other}");
+        }
+    }
 }

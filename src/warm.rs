@@ -41,28 +41,27 @@ pub async fn run(config: Config, only: Option<String>) -> anyhow::Result<()> {
         let mut progress = Progress::new(&dataset.name, share.len() as u64);
         let mut failed = Vec::new();
         let mut cached = 0usize;
-        let complete =
-            prefetch::warm(
-                &cache,
-                &share,
-                config.max_downloads,
-                |shard, result| match result {
-                    Ok(Ensured::Loaded(bytes)) => {
-                        cached += 1;
-                        progress.add(*bytes)
-                    }
-                    Ok(Ensured::Present) => {
-                        cached += 1;
-                        progress.add(0)
-                    }
-                    Err(e) if matches!(e.root(), FetchError::NoRoom { .. }) => {}
-                    Err(e) => {
-                        progress.add(0);
-                        failed.push(format!("{shard}: {}", e.root()));
-                    }
-                },
-            )
-            .await;
+        let complete = prefetch::warm(
+            &cache,
+            &share,
+            config.max_downloads,
+            |result| match result {
+                Ok(Ensured::Loaded(bytes)) => {
+                    cached += 1;
+                    progress.add(*bytes)
+                }
+                Ok(Ensured::Present) => {
+                    cached += 1;
+                    progress.add(0)
+                }
+                Err(e) if matches!(e.root(), FetchError::NoRoom { .. }) => {}
+                Err(e) => {
+                    progress.add(0);
+                    failed.push(e.root().to_string());
+                }
+            },
+        )
+        .await;
         progress.finish();
         if !failed.is_empty() {
             problems.push(format!(

@@ -147,9 +147,13 @@ struct State {
     releases: u64,
 }
 
+/// What a load ends with: the bytes it read from the source (0 if it only checked an
+/// existing entry), or why it failed.
+type LoadResult = Result<u64, Arc<FetchError>>;
+
 enum Slot {
     Ready(Ready),
-    Loading(Shared<BoxFuture<'static, Result<(), Arc<FetchError>>>>),
+    Loading(Shared<BoxFuture<'static, LoadResult>>),
 }
 
 struct Ready {
@@ -177,7 +181,7 @@ struct Entry {
 pub enum Ensured {
     /// Already there, or being loaded by someone else.
     Present,
-    /// Loaded now: these many bytes.
+    /// Read from its source now: these many bytes.
     Loaded(u64),
 }
 
@@ -287,7 +291,7 @@ impl Cache {
             match load.await {
                 Err(e) if matches!(e.root(), FetchError::NoRoom { .. }) => continue,
                 Err(e) => return Err(FetchError::Shared(e)),
-                Ok(()) => loaded = true,
+                Ok(_) => loaded = true,
             }
         };
         if first {
@@ -331,11 +335,9 @@ impl Cache {
                 _ => self.inner.start_load(&mut st, shard, purpose),
             }
         };
-        load.await.map_err(FetchError::Shared)?;
-        let st = self.inner.state.lock().unwrap();
-        Ok(match st.slots.get(shard.as_str()) {
-            Some(Slot::Ready(r)) => Ensured::Loaded(r.entry.meta.size),
-            _ => Ensured::Present,
+        Ok(match load.await.map_err(FetchError::Shared)? {
+            0 => Ensured::Present,
+            fetched => Ensured::Loaded(fetched),
         })
     }
 
@@ -424,18 +426,22 @@ impl Drop for Reservation {
 }
 
 /// Removes a `Loading` slot whose load ended without filling it (error, panic, shutdown).
+/// (Only until the load has written its outcome: after that the slot may already hold
+/// another load, which is not this guard's to remove.)
 struct LoadingGuard {
     inner: Arc<Inner>,
     url: String,
+    armed: bool,
 }
 
 impl Drop for LoadingGuard {
     fn drop(&mut self) {
-        let mut st = self.inner.state.lock().unwrap();
-        if let Some(Slot::Loading(_)) = st.slots.get(&self.url) {
-            st.slots.remove(&self.url);
+        if self.armed {
+            let mut st = self.inner.state.lock().unwrap();
+            if let Some(Slot::Loading(_)) = st.slots.get(&self.url) {
+                st.slots.remove(&self.url);
+            }
         }
-        drop(st);
         self.inner.events.notify_one();
     }
 }
@@ -473,7 +479,7 @@ impl Inner {
         st: &mut State,
         shard: &ShardUrl,
         purpose: Purpose,
-    ) -> Shared<BoxFuture<'static, Result<(), Arc<FetchError>>>> {
+    ) -> Shared<BoxFuture<'static, LoadResult>> {
         // A stale or unverified entry is taken out to be checked (never a pinned one).
         let old = match st.slots.remove(shard.as_str()) {
             Some(Slot::Ready(r)) => Some(r),
@@ -484,16 +490,20 @@ impl Inner {
         let guard = LoadingGuard {
             inner: self.clone(),
             url: shard.as_str().to_string(),
+            armed: true,
         };
         let task = tokio::spawn(async move {
-            let _guard = guard;
+            let mut guard = guard;
             let result = inner.load(&url, old, purpose).await;
             let mut st = inner.state.lock().unwrap();
+            guard.armed = false;
             let result = match result {
-                Ok(ready) => {
+                Ok((ready, fetched)) => {
                     st.slots
                         .insert(url.as_str().to_string(), Slot::Ready(ready));
-                    Ok(())
+                    // A new unpinned entry is something a waiting reservation may evict.
+                    inner.space.notify_waiters();
+                    Ok(fetched)
                 }
                 Err(e) => {
                     st.slots.remove(url.as_str());
@@ -525,10 +535,10 @@ impl Inner {
         shard: &ShardUrl,
         old: Option<Ready>,
         purpose: Purpose,
-    ) -> Result<Ready, FetchError> {
+    ) -> Result<(Ready, u64), FetchError> {
         if let Some(mut old) = old {
             match self.recheck(shard, &mut old).await {
-                Ok(true) => return Ok(old),
+                Ok(true) => return Ok((old, 0)),
                 Ok(false) => self.forget(old.entry).await,
                 Err(e) => {
                     self.forget(old.entry).await;
@@ -537,12 +547,11 @@ impl Inner {
             }
         }
         let ready = self.fetch(shard, purpose).await?;
+        let fetched = ready.entry.meta.version.size;
         if purpose != Purpose::Demand {
-            self.metrics
-                .cache_prefetched_bytes_total
-                .inc_by(ready.entry.meta.size);
+            self.metrics.cache_prefetched_bytes_total.inc_by(fetched);
         }
-        Ok(ready)
+        Ok((ready, fetched))
     }
 
     /// Whether an existing entry can go on being served: its bytes match their checksum
@@ -849,7 +858,7 @@ impl Inner {
                 };
                 match victims {
                     Some(v) => Ok(v),
-                    None => Err((st.pinned, st.charged - st.resident)),
+                    None => Err(()),
                 }
             };
             match victims {
@@ -867,9 +876,11 @@ impl Inner {
                         url: shard.to_string(),
                     });
                 }
-                Err((pinned, reserved)) => {
+                Err(()) => {
                     let left = self.limits.space_timeout.saturating_sub(started.elapsed());
                     if left.is_zero() || tokio::time::timeout(left, space).await.is_err() {
+                        let st = self.state.lock().unwrap();
+                        let (pinned, reserved) = (st.pinned, st.charged - st.resident);
                         return Err(FetchError::CacheFull {
                             url: shard.to_string(),
                             need: bytes,

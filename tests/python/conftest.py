@@ -301,13 +301,16 @@ def gcs_config(endpoint, host_index=0, host_count=1, shuffle_buffer=25, extra=""
 class CuttingProxy:
     """A loopback HTTP proxy in front of fake-gcs-server that cuts the body of the first
     ``cuts`` responses for object paths containing ``match`` in half and then drops the
-    connection: the fault (a download cut mid-body) that the real server never makes."""
+    connection: the fault (a download cut mid-body) that the real server never makes.
+    With ``rate`` (bytes/s) it also sends every response at that pace, so downloads are
+    still in flight when a test acts."""
 
-    def __init__(self, upstream_port, match, cuts):
+    def __init__(self, upstream_port, match="", cuts=0, rate=None):
         import socketserver
         import threading
 
         self.match, self.cuts_left = match.encode(), cuts
+        rate = rate
         self.lock = threading.Lock()
         proxy = self
 
@@ -333,12 +336,20 @@ class CuttingProxy:
                         response += chunk
                 target = urllib.parse.unquote_to_bytes(lines[0])  # object_store escapes '/' and '-'
                 with proxy.lock:
-                    cut = proxy.match in target and target.startswith(b"GET") and proxy.cuts_left > 0
+                    cut = (
+                        proxy.cuts_left > 0 and proxy.match in target and target.startswith(b"GET")
+                    )
                     proxy.cuts_left -= cut
                 if cut:
                     end = response.index(b"\r\n\r\n") + 4
                     response = response[: end + (len(response) - end) // 2]
-                self.request.sendall(response)
+                if rate is None:
+                    self.request.sendall(response)
+                    return
+                chunk = 64 << 10
+                for at in range(0, len(response), chunk):
+                    self.request.sendall(response[at : at + chunk])
+                    time.sleep(chunk / rate)  # pacing the proxy's output, not waiting on a test
 
         self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -348,3 +359,40 @@ class CuttingProxy:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+@pytest.fixture
+def cutting_proxy(fake_gcs):
+    """Makes CuttingProxy instances in front of the session's fake-gcs-server."""
+    proxies = []
+
+    def make(match="", cuts=0, rate=None):
+        p = CuttingProxy(int(fake_gcs.rsplit(":", 1)[1]), match, cuts, rate)
+        proxies.append(p)
+        return p
+
+    yield make
+    for p in proxies:
+        p.close()
+
+
+def upload(endpoint, name, data):
+    """Creates or replaces an object in fake-gcs-server through the JSON upload API."""
+    url = (
+        f"{endpoint}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name="
+        + urllib.parse.quote(name, safe="")
+    )
+    request = urllib.request.Request(
+        url, data=data, method="POST", headers={"Content-Type": "application/octet-stream"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.status == 200
+
+
+def tar_of(samples):
+    """A shard written by webdataset.TarWriter, as bytes."""
+    buf = io.BytesIO()
+    with wds.TarWriter(buf) as sink:
+        for s in samples:
+            sink.write(s)
+    return buf.getvalue()

@@ -1,0 +1,312 @@
+"""The cache, end to end: real fake-gcs-server, real files, the real daemon and client.
+A host downloads its share once per job, within a hard disk budget, verified, across
+restarts and kill -9; nothing it does not trust is served."""
+
+import concurrent.futures
+import os
+import pathlib
+import subprocess
+import threading
+
+import pytest
+import shardd
+
+from conftest import (
+    BIG_SHARDS, BUCKET, SHARDD, TRAIN_SHARDS, big_payload, gcs_config, reference_samples,
+    tar_of, upload, wait_for,
+)
+
+RECORD = 8192  # bytes charged per entry for its metadata record
+
+
+def gets(d):
+    return d.metric('shardd_store_requests_total{kind="get"}')
+
+
+def read(d, dataset="train", epoch=0, num_workers=1, **kw):
+    """Every stream of one rank (world 1): the whole dataset, as {key: {field: bytes}}."""
+    out = {}
+    with shardd.Client(d.socket) as c:
+        for worker in range(num_workers):
+            for s in c.stream(dataset, epoch=epoch, rank=0, world_size=1, worker=worker,
+                              num_workers=num_workers, **kw):
+                assert s["__key__"] not in out
+                out[s["__key__"]] = {k: v for k, v in s.items() if not k.startswith("__")}
+    return out
+
+
+def bytes_on_disk(directory):
+    """Bytes of the files under ``directory``, each inode once (a file renamed from tmp/ to
+    entries/ while we walk must not count twice)."""
+    sizes = {}
+    for p in pathlib.Path(directory).rglob("*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue  # deleted while we walked
+        if not p.is_dir():
+            sizes[st.st_ino] = st.st_size
+    return sum(sizes.values())
+
+
+def entries(cache_dir):
+    return sorted((pathlib.Path(cache_dir) / "entries").glob("*.meta"))
+
+
+def test_later_epochs_and_restarts_read_from_disk(make_daemon, fake_gcs, train_paths):
+    d = make_daemon(gcs_config(fake_gcs))
+    want = reference_samples(train_paths)
+    assert read(d, epoch=0, num_workers=2) == want
+    assert gets(d) == TRAIN_SHARDS
+    assert read(d, epoch=1, num_workers=2) == want
+    assert gets(d) == TRAIN_SHARDS, "the second epoch asked the store for bytes"
+    d.stop()
+    d.start()
+    assert read(d, epoch=2) == want
+    assert gets(d) == 0, "a restarted daemon asked the store for bytes it had"
+    assert d.metric("shardd_cache_verify_failures_total") == 0
+
+
+def test_the_budget_is_never_exceeded(make_daemon, fake_gcs, train_paths):
+    share = sum(p.stat().st_size + RECORD for p in train_paths)
+    budget = int(share * 0.4)
+    d = make_daemon(gcs_config(fake_gcs), cache=f'max_size = "{budget}"')
+    cache_dir = d.dir / "cache"
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], bytes_on_disk(cache_dir))
+            done.wait(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        want = reference_samples(train_paths)
+        for epoch in range(2):
+            assert read(d, epoch=epoch) == want
+    finally:
+        done.set()
+        sampler.join()
+    assert 0 < peak[0] <= budget, f"peak {peak[0]} over the budget {budget}"
+    assert d.metric("shardd_cache_evictions_total") > 0
+    assert d.metric("shardd_cache_bytes") <= budget
+
+
+def test_a_stream_that_cannot_get_space_fails_with_the_numbers(make_daemon, fake_gcs, shard_dir):
+    charge = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size + RECORD
+    # One shard fits; the next one the stream must hold at the same time does not.
+    d = make_daemon(gcs_config(fake_gcs), cache=f'max_size = "{charge * 3 // 2}"\nspace_timeout = "500ms"')
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            list(c.stream("big", epoch=0, rank=0, world_size=1))
+    assert e.value.code == "cache_full"
+    message = str(e.value)
+    assert message.startswith("cache full: gs://bkt/big/big-"), message
+    assert f"needs {charge} bytes but cache.max_size is {charge * 3 // 2} bytes" in message
+    assert f"{charge} are pinned by open streams" in message
+    wait_for(lambda: d.metric("shardd_cache_pinned_bytes") == 0, "pins to be released")
+    assert d.metric("shardd_cache_bytes") <= charge * 3 // 2
+
+
+def test_kill_9_during_downloads_then_restart(make_daemon, fake_gcs, cutting_proxy, shard_dir):
+    slow = cutting_proxy(rate=40 << 20)  # 8 MB shards take ~0.2 s each
+    # One download at a time, so the kill lands between a commit and the next download's end.
+    d = make_daemon(
+        gcs_config(slow.endpoint, extra="[store]\nmax_downloads = 1\n"), cache="prefetch_shards = 5"
+    )
+    cache_dir = d.dir / "cache"
+    with shardd.Client(d.socket) as c:
+        stream = c.stream("big", epoch=0, rank=0, world_size=1)
+        next(stream)
+        wait_for(
+            lambda: d.metric("shardd_downloads_active") >= 1 and len(entries(cache_dir)) >= 1,
+            "downloads in flight and an entry committed",
+        )
+        d.kill()
+    committed = len(entries(cache_dir))
+    partial = list((cache_dir / "tmp").glob("*.part"))
+    assert partial, "the kill was meant to land during a download"
+    assert committed < BIG_SHARDS
+
+    # Restart (straight to the store): partial files go, complete entries are reused.
+    d.config.write_text(d.config.read_text().replace(slow.endpoint, fake_gcs))
+    d.start()
+    assert list((cache_dir / "tmp").iterdir()) == []
+    got = read(d, dataset="big")
+    assert got == {f"big{i}": {"bin": big_payload(i)} for i in range(BIG_SHARDS)}
+    assert gets(d) == BIG_SHARDS - committed
+    assert d.metric("shardd_cache_verify_failures_total") == 0
+
+
+def test_local_shards_changed_while_served(make_daemon, fake_gcs, train_paths, tmp_path):
+    local = tmp_path / "local"
+    local.mkdir()
+    for i, p in enumerate(train_paths[:3]):
+        (local / f"l{i}.tar").write_bytes(p.read_bytes())
+    body = gcs_config(fake_gcs) + f'[datasets.local]\nshards = "{local}/l{{0..2}}.tar"\nshuffle_buffer = 1\n'
+    d = make_daemon(body, cache='revalidate = "0s"')
+    with shardd.Client(d.socket) as c, shardd.Client(d.socket) as other:
+        stream = c.stream("local", epoch=0, rank=0, world_size=1)
+        got = [next(stream)]
+        # One file truncated, another rewritten, while the stream reads them.
+        with open(local / "l1.tar", "r+b") as f:
+            f.truncate(os.path.getsize(local / "l1.tar") // 2 + 100)
+        (local / "l2.tar").write_bytes(train_paths[5].read_bytes())
+        try:
+            got += list(stream)
+        except shardd.DaemonError as e:
+            # Caught mid-copy: a clear error naming the file, never mixed bytes.
+            assert e.code == "stream_failed"
+            assert "changed while it was being read" in str(e) and str(local) in str(e), str(e)
+        else:
+            # Each shard is served as one version of it, never a mix: the original of the
+            # truncated one (copied before the change) and the original or the replacement
+            # of the rewritten one.
+            by_url = {}
+            for s in got:
+                by_url.setdefault(s["__url__"], {})[s["__key__"]] = {
+                    k: v for k, v in s.items() if not k.startswith("__")
+                }
+            for i in (0, 1):
+                assert by_url[f"{local}/l{i}.tar"] == reference_samples([train_paths[i]])
+            assert by_url[f"{local}/l2.tar"] in (
+                reference_samples([train_paths[2]]), reference_samples([train_paths[5]])
+            )
+        # Another stream was unaffected.
+        assert len(list(other.stream("train", epoch=0, rank=0, world_size=1))) > 100
+    # The next stream sees the files as they are now: the truncated one is a clear error.
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            list(c.stream("local", epoch=1, rank=0, world_size=1))
+    assert e.value.code == "stream_failed"
+    assert str(e.value).startswith(f"{local}/l1.tar: "), str(e.value)
+    assert d.proc.poll() is None
+
+
+WEIRD = ["weird/x~1.tar", "weird/50%.tar", "weird/a#b.tar", "weird/[c]=d.tar", "weird/with space.tar"]
+
+
+def test_object_names_are_taken_verbatim(make_daemon, fake_gcs):
+    want = {}
+    for i, name in enumerate(WEIRD):
+        sample = {"__key__": f"w{i}", "bin": name.encode() * 10}
+        upload(fake_gcs, name, tar_of([sample]))
+        want[f"w{i}"] = {"bin": sample["bin"]}
+    shards = ", ".join(f'"gs://{BUCKET}/{n}"' for n in WEIRD)
+    d = make_daemon(gcs_config(fake_gcs, extra=f"[datasets.weird]\nshards = [{shards}]\n"))
+    urls = {}
+    with shardd.Client(d.socket) as c:
+        for s in c.stream("weird", epoch=0, rank=0, world_size=1):
+            urls[s["__key__"]] = s["__url__"]
+            assert s["bin"] == want[s["__key__"]]["bin"]
+    assert urls == {f"w{i}": f"gs://{BUCKET}/{n}" for i, n in enumerate(WEIRD)}
+
+
+def test_unaddressable_names_are_refused_at_load(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('[datasets.d]\nshards = "gs://bkt/a//b.tar"\n')
+    out = subprocess.run([SHARDD, "check", "--config", str(config)], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert 'gs://bkt/a//b.tar: the object name "a//b.tar" cannot be addressed as written' in out.stderr
+
+
+def test_a_replaced_object_is_fetched_again(make_daemon, fake_gcs):
+    v1 = {"__key__": "r", "bin": b"one" * 1000}
+    v2 = {"__key__": "r", "bin": b"two" * 1000}
+    upload(fake_gcs, "mutable/r.tar", tar_of([v1]))
+    d = make_daemon(
+        gcs_config(fake_gcs, extra=f'[datasets.r]\nshards = "gs://{BUCKET}/mutable/r.tar"\n'),
+        cache='revalidate = "0s"',
+    )
+    assert read(d, dataset="r") == {"r": {"bin": v1["bin"]}}
+    assert read(d, dataset="r", epoch=1) == {"r": {"bin": v1["bin"]}}
+    assert gets(d) == 1
+    upload(fake_gcs, "mutable/r.tar", tar_of([v2]))
+    assert read(d, dataset="r", epoch=2) == {"r": {"bin": v2["bin"]}}
+    assert gets(d) == 2
+
+
+def test_a_corrupted_entry_is_fetched_again_never_served(make_daemon, fake_gcs, train_paths):
+    d = make_daemon(gcs_config(fake_gcs))
+    want = reference_samples(train_paths)
+    assert read(d) == want
+    d.stop()
+    data = sorted((d.dir / "cache" / "entries").glob("*.tar"))
+    assert len(data) == TRAIN_SHARDS
+    raw = bytearray(data[3].read_bytes())
+    raw[len(raw) // 2] ^= 0x55
+    data[3].write_bytes(bytes(raw))
+    d.start()
+    assert read(d, epoch=1) == want
+    assert d.metric("shardd_cache_verify_failures_total") == 1
+    assert gets(d) == 1
+
+
+def test_datasets_sharing_shards_download_each_once(make_daemon, fake_gcs, train_paths):
+    again = f'[datasets.again]\nshards = "gs://{BUCKET}/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"\n'
+    d = make_daemon(gcs_config(fake_gcs, extra=again))
+    want = reference_samples(train_paths)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(read, d, name, epoch) for name in ("train", "again") for epoch in (0, 1)]
+        assert all(r.result() == want for r in runs)
+    assert gets(d) == TRAIN_SHARDS
+
+
+def test_warm_fills_the_share_then_the_daemon_asks_for_nothing(make_daemon, fake_gcs, train_paths):
+    d = make_daemon(gcs_config(fake_gcs, host_index=1, host_count=2))
+    busy = subprocess.run([SHARDD, "warm", "--config", str(d.config), "--dataset", "train"],
+                          capture_output=True, text=True)
+    assert busy.returncode == 1
+    assert "is in use by another shardd" in busy.stderr, busy.stderr
+    d.stop()
+
+    warm = [SHARDD, "warm", "--config", str(d.config), "--dataset", "train"]
+    out = subprocess.run(warm, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "train: 6/6 shards done" in out.stderr, out.stderr
+    again = subprocess.run(warm, capture_output=True, text=True)
+    assert again.returncode == 0 and "0.0 MB fetched" in again.stderr, again.stderr
+
+    d.start()
+    with shardd.Client(d.socket) as c:
+        for rank in (2, 3):
+            assert len(list(c.stream("train", epoch=0, rank=rank, world_size=4))) > 0
+    assert gets(d) == 0
+
+
+def test_warm_reports_what_does_not_fit_or_fails(make_daemon, fake_gcs, train_paths):
+    budget = int(sum(p.stat().st_size + RECORD for p in train_paths) * 0.4)
+    d = make_daemon(gcs_config(fake_gcs), cache=f'max_size = "{budget}"')
+    d.stop()
+    out = subprocess.run([SHARDD, "warm", "--config", str(d.config), "--dataset", "train"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert f"dataset train: this host's share (12 shards) does not fit in cache.max_size ({budget} bytes)" in out.stderr
+    out = subprocess.run([SHARDD, "warm", "--config", str(d.config), "--dataset", "missing"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "dataset missing: 1 of 2 shards could not be fetched: gs://bkt/nope/gone.tar: object not found" in out.stderr
+
+
+def test_warm_at_start(make_daemon, fake_gcs, train_paths):
+    body = gcs_config(fake_gcs).replace("shuffle_buffer = 25\n", "shuffle_buffer = 25\nwarm = true\n", 1)
+    d = make_daemon(body)
+    share = sum(p.stat().st_size + RECORD for p in train_paths)
+    wait_for(lambda: d.metric("shardd_cache_resident_bytes") == share, "the share to be warmed")
+    assert gets(d) == TRAIN_SHARDS
+    assert read(d) == reference_samples(train_paths)
+    assert gets(d) == TRAIN_SHARDS
+    assert d.metric("shardd_cache_hits_total") == TRAIN_SHARDS
+
+
+def test_two_daemons_cannot_share_a_cache_dir(make_daemon, fake_gcs, tmp_path):
+    first = make_daemon(gcs_config(fake_gcs))
+    config = tmp_path / "second.toml"
+    config.write_text(
+        f'[server]\nsocket = "{tmp_path}/second.sock"\nmetrics_addr = ""\n'
+        f'[cache]\ndir = "{first.dir / "cache"}"\n' + gcs_config(fake_gcs)
+    )
+    out = subprocess.run([SHARDD, "serve", "--config", str(config)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert f"the cache directory {first.dir / 'cache'} is in use by another shardd (pid {first.proc.pid})" in out.stderr
