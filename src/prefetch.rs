@@ -46,7 +46,7 @@ pub struct StreamId {
 
 struct Schedule {
     shards: Vec<ShardUrl>,
-    /// Shards the stream has asked for so far.
+    /// Shards the stream has received so far (the one it is loading is still ahead).
     cursor: usize,
     /// Tells a replaced schedule's handle from the current one's.
     generation: u64,
@@ -143,7 +143,7 @@ fn expire(schedules: &mut HashMap<StreamId, Schedule>) {
 }
 
 impl ScheduleHandle {
-    /// The stream asks for its next shard.
+    /// The stream has received (pinned) its next shard.
     pub fn advance(&self) {
         let mut schedules = self.plans.schedules.lock().unwrap();
         if let Some(s) = schedules.get_mut(&self.id)

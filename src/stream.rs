@@ -133,12 +133,14 @@ impl ShardReader<'_> {
         let samples = current
             .await
             .map_err(|e| StreamError::Internal(format!("shard task failed: {e}")))??;
+        // Only now is the shard behind this stream: until its bytes are pinned (held by its
+        // samples) the schedule keeps it at distance 0, safe from eviction.
+        self.schedule.advance();
         Ok(Some(samples))
     }
 
     fn start(&mut self) -> Option<AbortOnDropHandle<Result<Vec<Sample>, StreamError>>> {
         let index = self.queue.pop_front()?;
-        self.schedule.advance();
         let shard = self.dataset.shards[index].clone();
         let cache = self.cache.clone();
         Some(AbortOnDropHandle::new(tokio::spawn(async move {

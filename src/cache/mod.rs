@@ -100,7 +100,8 @@ impl FetchError {
 /// Why a shard is being loaded: how hard to try for space.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Purpose {
-    /// A stream needs it now: evict any unpinned entry, wait for pins up to the timeout.
+    /// A stream needs it now: evict unpinned entries not needed before it, and wait for pins
+    /// to be released up to `cache.space_timeout`.
     Demand,
     /// Needed `distance` shards from now: evict only entries needed later, never wait.
     Prefetch { distance: u64 },
@@ -847,14 +848,16 @@ impl Inner {
                     continue;
                 }
                 let needed = st.charged + bytes - self.limits.max_bytes;
+                let next = next.as_ref().unwrap();
                 let sooner_than = match purpose {
-                    Purpose::Demand => None,
+                    // Not even a demand evicts what a stream needs before this shard.
+                    Purpose::Demand => next.get(shard.as_str()).copied(),
                     Purpose::Prefetch { distance } => Some(distance),
                     Purpose::Warm => Some(u64::MAX),
                 };
                 let victims = match purpose {
                     Purpose::Warm => None,
-                    _ => self.take_victims(&mut st, next.as_ref().unwrap(), needed, sooner_than),
+                    _ => self.take_victims(&mut st, next, needed, sooner_than),
                 };
                 match victims {
                     Some(v) => Ok(v),
