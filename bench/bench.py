@@ -38,6 +38,13 @@ def generate(directory, sample_bytes, total_bytes):
     paths = [directory / f"shard-{i:06d}.tar" for i in range(SHARDS)]
     if all(p.exists() for p in paths):
         return paths
+    write_shards(paths, per_shard, sample_bytes)
+    return paths
+
+
+def write_shards(paths, per_shard, sample_bytes):
+    """Writes each path as a tar of ``per_shard`` samples of ``sample_bytes`` (slices of one
+    incompressible blob: cheap to make) with webdataset.TarWriter."""
     blob = random.Random(0).randbytes(sample_bytes * 4)
     n = 0
     for path in paths:
@@ -46,7 +53,6 @@ def generate(directory, sample_bytes, total_bytes):
                 off = (n * 7919) % (3 * sample_bytes)
                 sink.write({"__key__": f"s{n:08d}", "bin": blob[off : off + sample_bytes], "cls": b"7"})
                 n += 1
-    return paths
 
 
 def measure(fn):

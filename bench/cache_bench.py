@@ -33,10 +33,10 @@ proxy-bound measurement (many parallel connections) can be recognised.
 """
 
 import argparse
+import os
 import contextlib
 import json
 import pathlib
-import random
 import select
 import shutil
 import socket
@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT / "clients" / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import shardd  # noqa: E402
-import webdataset as wds  # noqa: E402
 
+import bench  # noqa: E402  (bench/bench.py: the shard writer)
 import shaping_proxy  # noqa: E402
 
 MB = 1_000_000
@@ -137,15 +137,7 @@ def generate(root, prefix, shards, shard_bytes, sample_bytes):
     if not done.exists():
         shutil.rmtree(root, ignore_errors=True)
         directory.mkdir(parents=True)
-        per_shard = max(1, round(shard_bytes / sample_bytes))
-        blob = random.Random(0).randbytes(sample_bytes * 4)  # incompressible, cheap to slice
-        n = 0
-        for path in paths:
-            with wds.TarWriter(str(path)) as sink:
-                for _ in range(per_shard):
-                    off = (n * 7919) % (3 * sample_bytes)
-                    sink.write({"__key__": f"s{n:08d}", "bin": blob[off : off + sample_bytes], "cls": b"7"})
-                    n += 1
+        bench.write_shards(paths, max(1, round(shard_bytes / sample_bytes)), sample_bytes)
         done.touch()
     pattern = f"gs://{BUCKET}/{prefix}/{prefix}-{{000000..{shards - 1:06d}}}.tar"
     return pattern, [p.stat().st_size for p in paths]
@@ -218,6 +210,11 @@ class ConfigRejected(Exception):
 class Daemon:
     """A `shardd serve` process with its own socket, metrics port and cache directory."""
 
+    def cpu_seconds(self):
+        """User + system CPU time the daemon process has used so far (from /proc)."""
+        fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __init__(self, binary, workdir, config):
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="shardd-", dir=workdir))
         self.socket = self.dir / "shardd.sock"
@@ -244,6 +241,14 @@ class Daemon:
                 raise ConfigRejected(log.strip().splitlines()[-1])
             raise RuntimeError(f"shardd exited with {self.proc.returncode}:\n{log}")
         return http_ok(f"http://127.0.0.1:{self.metrics_port}/readyz") and self.socket.exists()
+
+    def metric(self, name):
+        """One unlabelled sample from the daemon's /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise KeyError(name)
 
     def log_tail(self, lines=20):
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -286,6 +291,7 @@ def run_epochs(store, daemon, epochs, rate):
     before = startup
     due = None  # when the consumer is ready for its next sample
     for epoch in range(epochs):
+        waited_before = daemon.metric("shardd_stream_wait_seconds_total")
         opened = time.monotonic()
         due = opened if due is None else max(due, opened)
         stream = client.stream("train", epoch=epoch, rank=0, world_size=1, seed=0)
@@ -317,6 +323,7 @@ def run_epochs(store, daemon, epochs, rate):
             "opened": opened, "first": first, "ended": ended, "samples": samples, "bytes": nbytes,
             "gets": after["requests"].get("GET", 0) - before["requests"].get("GET", 0),
             "store_bytes": after["body_bytes"] - before["body_bytes"],
+            "daemon_wait": daemon.metric("shardd_stream_wait_seconds_total") - waited_before,
         })
         before = after
         print(f"epoch {epoch}: {samples} samples in {ended - opened:.1f}s", flush=True)
@@ -326,7 +333,7 @@ def run_epochs(store, daemon, epochs, rate):
 def report_epochs(results, stalls, startup, dataset_bytes, rate):
     """The per-epoch table and the overall stall figures, as lines."""
     out = [f"{'epoch':>5} {'samples':>7} {'MB':>6} {'secs':>6} {'1st sample':>10} {'GETs':>5} "
-           f"{'store MB':>8} {'store/data':>10} {'stall':>6} {'stall 1st s':>11} {'lost':>5}"]
+           f"{'store MB':>8} {'store/data':>10} {'stall':>6} {'stall 1st s':>11} {'lost':>5} {'daemon wait':>11}"]
     for e, r in enumerate(results):
         secs = r["ended"] - r["opened"]
         stall = overlap(stalls, r["opened"], r["ended"]) / secs
@@ -339,7 +346,8 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
             first_second = f"{100 * overlap(stalls, r['opened'], r['opened'] + window) / window:.1f}%"
         out.append(f"{e:>5} {r['samples']:>7} {r['bytes'] / MB:>6.0f} {secs:>6.1f} {ttfs:>10} {r['gets']:>5} "
                    f"{r['store_bytes'] / MB:>8.1f} {r['store_bytes'] / dataset_bytes:>9.2f}x "
-                   f"{100 * stall:>5.1f}% {first_second:>11} {100 * lost:>4.0f}%")
+                   f"{100 * stall:>5.1f}% {first_second:>11} {100 * lost:>4.0f}% "
+                   f"{100 * r['daemon_wait'] / secs:>10.2f}%")
     start, end = results[0]["opened"], results[-1]["ended"]
     warm_from = results[0]["first"] or start
     total = overlap(stalls, start, end) / (end - start)
@@ -349,6 +357,9 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
     out.append(f"object-store requests before the first stream: {dict(startup['requests']) or 'none'}")
     out.append("(lost: epoch time that is neither the consumer's work at the set rate nor stall: the "
                "consumer fell behind its schedule. More than a few % = the machine was too busy.)")
+    out.append("(daemon wait: time the stream waited inside the daemon for shard data, from "
+               "shardd_stream_wait_seconds_total; the rest of the stall is the client receiving "
+               "and decoding batches.)")
     return out
 
 
@@ -439,12 +450,16 @@ def main():
                 daemon = Daemon(binary, tmp, base_config(store, pattern, shuffle_buffer, extra))
                 try:
                     measured = run_epochs(store, daemon, args.epochs, args.rate_mbs * MB)
+                    cpu = daemon.cpu_seconds()
                 except Exception:
                     print(f"daemon log ({daemon.log_path}), last lines:\n{daemon.log_tail()}", file=sys.stderr)
                     raise
                 finally:
                     daemon.stop()
                 report += report_epochs(*measured, sum(sizes), args.rate_mbs * MB)
+                served = args.epochs * sum(sizes)
+                report.append(f"daemon CPU: {cpu:.2f} s for {served / 1e9:.2f} GB served "
+                              f"({cpu / (served / 1e9):.2f} s/GB, downloads, checksums and cache writes included)")
             except ConfigRejected as e:
                 report.append(f"the daemon rejected the config (an older build?): {e}")
             finally:

@@ -249,7 +249,19 @@ async fn serve(
                 .streams_total
                 .with_label_values(&["completed"])
                 .inc();
-            tracing::debug!(parent: &span, samples = end.samples, bytes = end.bytes, "stream completed");
+            // The per-epoch summary an operator reads: this stream, and the cache so far.
+            tracing::info!(
+                parent: &span,
+                samples = end.samples,
+                bytes = end.bytes,
+                cache_hits = metrics.cache_hits_total.get(),
+                cache_misses = metrics.cache_misses_total.get(),
+                cache_evictions = metrics.cache_evictions_total.get(),
+                cache_resident_bytes = metrics.cache_resident_bytes.get(),
+                store_gets = metrics.store_requests_total.with_label_values(&["get"]).get(),
+                store_bytes = metrics.store_bytes_total.get(),
+                "stream completed"
+            );
             let _ = protocol::write_json(wr, Kind::End, &end).await;
             Ok(())
         }

@@ -65,39 +65,48 @@ pub async fn pump(
         cache: &ctx.cache,
         dataset,
         queue: plan.shards.into(),
+        current: None,
         next: None,
         schedule,
     };
-    let mut shuffle = WindowShuffle::new(plan.stream_key, dataset.shuffle_buffer);
-    let mut loaded: VecDeque<Sample> = VecDeque::new();
+    let mut order = SampleOrder {
+        shuffle: WindowShuffle::new(plan.stream_key, dataset.shuffle_buffer),
+        loaded: VecDeque::new(),
+        done: false,
+    };
     let mut end = End {
         samples: 0,
         bytes: 0,
     };
     loop {
-        let want = shuffle.next_len();
-        while loaded.len() < want {
+        while order.wants_more() {
             let waited = Instant::now();
             let next = reader.next().await;
             ctx.metrics
                 .stream_wait_seconds_total
                 .inc_by(waited.elapsed().as_secs_f64());
-            match next? {
-                Some(samples) => loaded.extend(samples),
-                None => break,
-            }
+            order.push(next?);
         }
-        if loaded.is_empty() {
+        let Some(mut window) = order.next_window() else {
             return Ok(end);
-        }
-        let take = want.min(loaded.len());
-        let mut window: Vec<Sample> = loaded.drain(..take).collect();
-        shuffle.permute(&mut window);
-        let mut window: VecDeque<Sample> = window.into();
+        };
         while !window.is_empty() {
             let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
-            tokio::time::timeout(ctx.stall_timeout, sink.send(sock, &parts))
-                .await
+            let send = tokio::time::timeout(ctx.stall_timeout, sink.send(sock, &parts));
+            let mut send = std::pin::pin!(send);
+            // While the client takes this batch, load the next window's shards, so that a
+            // window boundary costs no wait (only the reading is cancelled if the send ends
+            // first, and `ShardReader::next` is cancel-safe).
+            let sent_result = loop {
+                if !order.wants_more() {
+                    break send.await;
+                }
+                tokio::select! {
+                    r = &mut send => break r,
+                    shard = reader.next() => order.push(shard?),
+                }
+            };
+            sent_result
                 .map_err(|_| StreamError::Stalled(ctx.stall_timeout))?
                 .map_err(StreamError::Client)?;
             let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
@@ -109,37 +118,77 @@ pub async fn pump(
     }
 }
 
+/// The stream's sample order, with no I/O: shards' samples go in, in plan order, and come out
+/// as permuted windows of `shuffle_buffer` samples (see `shuffle.rs`).
+struct SampleOrder {
+    shuffle: WindowShuffle,
+    loaded: VecDeque<Sample>,
+    /// No more shards will come.
+    done: bool,
+}
+
+impl SampleOrder {
+    /// Whether another shard's samples are needed before the next window can be cut.
+    fn wants_more(&self) -> bool {
+        !self.done && self.loaded.len() < self.shuffle.next_len()
+    }
+
+    /// The next shard's samples, or `None` when the plan has no more shards.
+    fn push(&mut self, shard: Option<Vec<Sample>>) {
+        match shard {
+            Some(samples) => self.loaded.extend(samples),
+            None => self.done = true,
+        }
+    }
+
+    /// The next window, permuted; `None` at the end of the stream.
+    fn next_window(&mut self) -> Option<VecDeque<Sample>> {
+        if self.loaded.is_empty() {
+            return None;
+        }
+        let take = self.shuffle.next_len().min(self.loaded.len());
+        let mut window: Vec<Sample> = self.loaded.drain(..take).collect();
+        self.shuffle.permute(&mut window);
+        Some(window.into())
+    }
+}
+
 /// Reads the plan's shards in order through the cache, the next one pinned and parsed while
 /// the current one is sent. Dropping it aborts what is in flight and releases its pins.
 struct ShardReader<'a> {
     cache: &'a Cache,
     dataset: &'a Dataset,
     queue: VecDeque<usize>,
-    next: Option<AbortOnDropHandle<Result<Vec<Sample>, StreamError>>>,
+    /// The shard `next` returns, then the one after it, loading.
+    current: Option<ShardTask>,
+    next: Option<ShardTask>,
     schedule: ScheduleHandle,
 }
 
+type ShardTask = AbortOnDropHandle<Result<Vec<Sample>, StreamError>>;
+
 impl ShardReader<'_> {
-    /// The next shard's samples, or `None` after the last shard.
+    /// The next shard's samples, or `None` after the last shard. Cancel-safe: a call dropped
+    /// while waiting leaves the shard to the next call.
     async fn next(&mut self) -> Result<Option<Vec<Sample>>, StreamError> {
-        let current = match self.next.take() {
-            Some(task) => task,
-            None => match self.start() {
-                Some(task) => task,
-                None => return Ok(None),
-            },
+        if self.current.is_none() {
+            self.current = self.next.take().or_else(|| self.start());
+            self.next = self.start();
+        }
+        let Some(current) = self.current.as_mut() else {
+            return Ok(None);
         };
-        self.next = self.start();
-        let samples = current
-            .await
-            .map_err(|e| StreamError::Internal(format!("shard task failed: {e}")))??;
+        let done = current.await;
+        self.current = None;
+        let samples =
+            done.map_err(|e| StreamError::Internal(format!("shard task failed: {e}")))??;
         // Only now is the shard behind this stream: until its bytes are pinned (held by its
         // samples) the schedule keeps it at distance 0, safe from eviction.
         self.schedule.advance();
         Ok(Some(samples))
     }
 
-    fn start(&mut self) -> Option<AbortOnDropHandle<Result<Vec<Sample>, StreamError>>> {
+    fn start(&mut self) -> Option<ShardTask> {
         let index = self.queue.pop_front()?;
         let shard = self.dataset.shards[index].clone();
         let cache = self.cache.clone();

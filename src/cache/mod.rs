@@ -167,6 +167,30 @@ struct Ready {
     last_used: u64,
 }
 
+impl Ready {
+    fn new(
+        disk: &Disk,
+        meta: Meta,
+        charge: u64,
+        verified: bool,
+        checked: Option<Instant>,
+        last_used: u64,
+    ) -> Ready {
+        Ready {
+            entry: Arc::new(Entry {
+                path: disk.data_path(&meta),
+                meta,
+                charge,
+                map: Mutex::new(Weak::new()),
+            }),
+            pins: 0,
+            verified,
+            checked,
+            last_used,
+        }
+    }
+}
+
 /// One committed entry.
 struct Entry {
     meta: Meta,
@@ -212,22 +236,10 @@ impl Cache {
             }
             state.charged += charge;
             state.resident += charge;
-            let path = disk.data_path(&meta);
-            state.slots.insert(
-                meta.url.clone(),
-                Slot::Ready(Ready {
-                    entry: Arc::new(Entry {
-                        meta,
-                        path,
-                        charge,
-                        map: Mutex::new(Weak::new()),
-                    }),
-                    pins: 0,
-                    verified: false,
-                    checked: None,
-                    last_used: 0,
-                }),
-            );
+            let url = meta.url.clone();
+            // Unverified and unchecked: its checksum and its source are checked on first use.
+            let ready = Ready::new(&disk, meta, charge, false, None, 0);
+            state.slots.insert(url, Slot::Ready(ready));
         }
         tracing::info!(
             dir = %dir.display(),
@@ -730,19 +742,8 @@ impl Inner {
         st.tick += 1;
         let last_used = st.tick;
         drop(st);
-        let path = self.disk.data_path(&meta);
-        Ok(Ready {
-            entry: Arc::new(Entry {
-                meta,
-                path,
-                charge,
-                map: Mutex::new(Weak::new()),
-            }),
-            pins: 0,
-            verified: true,
-            checked: Some(Instant::now()),
-            last_used,
-        })
+        let now = Some(Instant::now());
+        Ok(Ready::new(&self.disk, meta, charge, true, now, last_used))
     }
 
     /// Decompresses a gzipped download into a second cache file, reserving its space as it

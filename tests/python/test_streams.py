@@ -140,10 +140,11 @@ def test_cat_prints_key_and_field_sizes(two_hosts, train_paths):
     assert "5 samples" in out.stderr
 
 
-def test_a_reader_that_stops_holds_two_shards_then_is_cut_off(make_daemon, fake_gcs, shard_dir):
-    """A stream whose client stops reading pins only the shard it is sending and the one
-    parsed next; the prefetcher loads prefetch_shards more and stops; after
-    server.stall_timeout the stream ends and its pins are released."""
+def test_a_reader_that_stops_holds_three_shards_then_is_cut_off(make_daemon, fake_gcs, shard_dir):
+    """A stream whose client stops reading pins only the shard it is sending, the next
+    window's (one shard here) and the one loading after it; the prefetcher loads
+    prefetch_shards more and stops; after server.stall_timeout the stream ends and its pins
+    are released."""
     d = make_daemon(
         gcs_config(fake_gcs), server='stall_timeout = "2s"', cache="prefetch_shards = 2",
     )
@@ -152,21 +153,21 @@ def test_a_reader_that_stops_holds_two_shards_then_is_cut_off(make_daemon, fake_
         stream = c.stream("big", epoch=0, rank=0, world_size=1)
         first = next(stream)
         # The daemon is now blocked writing the second shard's sample to a socket nobody
-        # reads: shards 1 (sending) and 2 (parsed next) pinned, and prefetch_shards = 2 ahead
-        # of what the stream has received (shards 2 and 3): 4 fetched.
+        # reads: shards 1 (sending), 2 (the next window) and 3 (loading next) pinned, and
+        # prefetch_shards = 2 ahead of what the stream has received (shards 3 and 4): 5 fetched.
         wait_for(
-            lambda: d.metric("shardd_cache_resident_bytes") >= 4 * charge
+            lambda: d.metric("shardd_cache_resident_bytes") >= 5 * charge
             and d.metric("shardd_cache_bytes") == d.metric("shardd_cache_resident_bytes")
-            and d.metric("shardd_cache_pinned_bytes") == 2 * charge,
+            and d.metric("shardd_cache_pinned_bytes") == 3 * charge,
             "prefetching to settle",
         )
-        assert d.metric("shardd_shard_fetches_total") == 4
-        assert d.metric("shardd_cache_resident_bytes") == 4 * charge
+        assert d.metric("shardd_shard_fetches_total") == 5
+        assert d.metric("shardd_cache_resident_bytes") == 5 * charge
         wait_for(lambda: d.metric("shardd_streams_stalled_total") == 1, "the stall timeout")
         assert d.metric("shardd_cache_pinned_bytes") == 0
         with pytest.raises(shardd.ProtocolError):
             list(stream)
-    # The next reader is served from the cache: only the last two shards are fetched.
+    # The next reader is served from the cache: only the last shard is fetched.
     samples = read_stream(d.socket, dataset="big", epoch=0, rank=0, world_size=1)
     assert first["__key__"] == samples[0]["__key__"]
     assert sorted((s["__key__"], s["bin"]) for s in samples) == [
