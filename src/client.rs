@@ -140,6 +140,7 @@ impl Request {
             worker: 0,
             num_workers: 1,
             seed: 0,
+            start: 0,
         }
     }
 }

@@ -159,6 +159,10 @@ pub struct DatasetSection {
     pub share_seed: u64,
     #[serde(default)]
     pub warm: bool,
+    #[serde(default)]
+    pub manifest: Option<String>,
+    #[serde(default)]
+    pub samples_per_epoch: Option<u64>,
 }
 
 fn default_shuffle_buffer() -> usize {
@@ -220,6 +224,36 @@ pub struct Dataset {
     pub share_seed: u64,
     /// Fill the cache with this host's share at start, before any trainer asks.
     pub warm: bool,
+    /// Where the manifest is (`shardd index` writes it): exact, equal epochs in samples.
+    pub manifest: Option<ShardUrl>,
+    /// Samples every stream gets per epoch (manifest mode), wrapping into the next pass.
+    pub samples_per_epoch: Option<u64>,
+    /// Samples per shard, in `shards` order, once the daemon has loaded and checked the
+    /// manifest (set it with [`Dataset::set_counts`]).
+    pub counts: Option<std::sync::Arc<[u64]>>,
+    /// MD5 of the shard list and the counts: what the data is, for plan fingerprints.
+    identity: [u8; 16],
+}
+
+impl Dataset {
+    pub fn set_counts(&mut self, counts: std::sync::Arc<[u64]>) {
+        self.counts = Some(counts);
+        self.identity = identity(&self.shards, self.counts.as_deref());
+    }
+
+    pub fn identity(&self) -> [u8; 16] {
+        self.identity
+    }
+
+    /// What the plan needs to know about this dataset.
+    pub fn shape(&self) -> crate::plan::Shape<'_> {
+        crate::plan::Shape {
+            num_shards: self.shards.len(),
+            counts: self.counts.as_deref(),
+            share_seed: self.share_seed,
+            samples_per_epoch: self.samples_per_epoch,
+        }
+    }
 }
 
 impl Config {
@@ -376,6 +410,28 @@ fn validate_dataset(
             shards.push(shard);
         }
     }
+    let manifest = d
+        .manifest
+        .as_deref()
+        .map(|m| ShardUrl::parse(m, base_dir))
+        .transpose()
+        .map_err(|source| ConfigError::Url {
+            dataset: name.to_string(),
+            source,
+        })?;
+    match d.samples_per_epoch {
+        Some(0) => {
+            return Err(invalid(format!(
+                "dataset {name:?}: samples_per_epoch must be at least 1"
+            )));
+        }
+        Some(_) if manifest.is_none() => {
+            return Err(invalid(format!(
+                "dataset {name:?}: samples_per_epoch needs a manifest (shardd index) to count samples"
+            )));
+        }
+        _ => {}
+    }
     let mut seen = std::collections::HashSet::new();
     if let Some(dup) = shards.iter().find(|s| !seen.insert(s.as_str())) {
         return Err(invalid(format!(
@@ -385,11 +441,28 @@ fn validate_dataset(
     }
     Ok(Dataset {
         name: name.to_string(),
-        shards,
         shuffle_buffer: d.shuffle_buffer,
         share_seed: d.share_seed,
         warm: d.warm,
+        identity: identity(&shards, None),
+        manifest,
+        samples_per_epoch: d.samples_per_epoch,
+        counts: None,
+        shards,
     })
+}
+
+fn identity(shards: &[ShardUrl], counts: Option<&[u64]>) -> [u8; 16] {
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    for shard in shards {
+        h.update(shard.as_str().as_bytes());
+        h.update([0]);
+    }
+    for n in counts.into_iter().flatten() {
+        h.update(n.to_le_bytes());
+    }
+    h.finalize().into()
 }
 
 /// Splits "1.5 GiB" into its number (if it is one, and not negative) and its unit.

@@ -27,6 +27,11 @@ pub enum StartError {
     InUse { path: PathBuf },
     #[error(transparent)]
     Cache(#[from] OpenError),
+    #[error("dataset {dataset:?}: {source}")]
+    Manifest {
+        dataset: String,
+        source: crate::manifest::ManifestError,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("cannot listen on server.metrics_addr {addr}: {source}")]
@@ -37,11 +42,12 @@ pub enum StartError {
 }
 
 /// Runs the daemon until `shutdown` is cancelled.
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
+pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new());
     raise_fd_limit();
     let plans = Arc::new(Plans::default());
     let cache = open_cache(&config, metrics.clone(), plans.clone()).await?;
+    load_manifests(&mut config, cache.stores()).await?;
     let http = match config.metrics_addr {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -113,15 +119,39 @@ pub async fn open_cache(
     Ok(cache)
 }
 
+/// Reads every dataset's manifest and checks it against the shards (one HEAD or stat per
+/// shard, `store.max_downloads` at a time): a mismatch stops the daemon, naming the shard.
+pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), StartError> {
+    let parallel = config.max_downloads;
+    for dataset in config.datasets.values_mut() {
+        let Some(source) = dataset.manifest.clone() else {
+            continue;
+        };
+        let counts = crate::manifest::load(stores, &source, &dataset.shards, parallel)
+            .await
+            .map_err(|source| StartError::Manifest {
+                dataset: dataset.name.clone(),
+                source,
+            })?;
+        tracing::info!(
+            dataset = %dataset.name,
+            manifest = %source,
+            samples = counts.iter().sum::<u64>(),
+            "manifest checked"
+        );
+        dataset.set_counts(counts);
+    }
+    Ok(())
+}
+
 /// `[datasets.X] warm = true`: loads this host's share of those datasets into free cache
 /// space, in the background, before (and while) trainers connect.
 async fn warm_at_start(config: Config, cache: Cache) {
     for dataset in config.datasets.values().filter(|d| d.warm) {
-        let share: Vec<_> =
-            crate::plan::host_share(dataset.shards.len(), dataset.share_seed, config.host)
-                .into_iter()
-                .map(|i| dataset.shards[i].clone())
-                .collect();
+        let share: Vec<_> = crate::plan::warm_shards(dataset.shape(), config.host)
+            .into_iter()
+            .map(|i| dataset.shards[i].clone())
+            .collect();
         let (mut loaded, mut failed) = (0u64, 0usize);
         let complete = prefetch::warm(&cache, &share, config.max_downloads, |r| match r {
             Ok(crate::cache::Ensured::Loaded(n)) => loaded += n,

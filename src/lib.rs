@@ -12,7 +12,8 @@
 //! | store | `store.rs` | reads a shard from its source: ranged parallel GETs, local copies |
 //! | cache | `cache/` | the host-level shard source: verified entries on disk, hard budget, pins, single flight, eviction |
 //! | prefetch | `prefetch.rs` | what to load next, from the plans of the open streams (and their next epoch) |
-//! | plan | `plan.rs` | (seed, epoch, topology, rank, worker) → which shards, in which order |
+//! | manifest | `manifest.rs` | per-shard sizes, ETags, checksums, sample counts (`shardd index`) |
+//! | plan | `plan.rs` | (seed, epoch, topology, rank, worker) → which samples (pieces of shards), in which order |
 //! | shard | `shard.rs` | tar bytes → WebDataset samples (zero-copy slices) |
 //! | shuffle | `shuffle.rs` | seeded generator; windowed sample shuffle |
 //! | stream | `stream.rs` | one stream: shards from the cache → parse → shuffle → batch frames |
@@ -33,6 +34,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod http;
+pub mod manifest;
 pub mod metrics;
 pub mod plan;
 pub mod prefetch;

@@ -1,24 +1,40 @@
-//! The epoch plan: which shards a stream reads, in which order. A pure function of
-//! (shard count, seed, epoch, host topology, world_size, rank, num_workers, worker): every host
-//! computes the same plan with no communication, and nothing here depends on timing or cache
-//! state.
+//! The epoch plan: which samples a stream reads, in which order. A pure function of the
+//! dataset's shape (shard count, per-shard sample counts when a manifest gives them,
+//! `share_seed`, `samples_per_epoch`), the host topology and the request (seed, epoch,
+//! world_size, rank, num_workers, worker): every host computes the same plan with no
+//! communication, and nothing here depends on timing or cache state. A plan is a list of
+//! [`Piece`]s: runs of one shard's samples, in tar order.
 //!
-//! This is the shard-level mode (sample counts unknown until a shard is read), as webdataset
-//! does it, with one change for locality:
+//! **Shard-level mode** (no manifest: sample counts unknown until a shard is read), as
+//! webdataset does it, with two changes:
 //! 1. **Host share, stable across epochs and runs.** The shard list is permuted with the
 //!    dataset's `share_seed` (default 0), never the run's seed, and dealt round-robin to the
-//!    hosts: a host reads the same shards every epoch of every run with the same shard list
-//!    and host count, so its cache keeps serving it, and the daemon can fill its cache before
-//!    any trainer connects.
-//! 2. **Epoch order.** The host's shards are permuted again with (seed, epoch, host).
-//! 3. **Ranks, then workers.** Local rank ρ takes every L-th shard of that order starting at ρ
-//!    (L = ranks per host), and worker w every K-th shard of its rank's list starting at w, as
-//!    webdataset's `split_by_node` / `split_by_worker` do. Ranks of one host differ by at most
-//!    one shard.
+//!    hosts, so a host reads the same shards every epoch of every run and its cache keeps
+//!    serving it. Only the `S mod H` shards left over rotate: leftover j goes to host
+//!    `(j + epoch) mod H`, so no host always reads more than the others.
+//! 2. **Epoch order.** The host's shards are permuted with (seed, epoch, host).
+//! 3. **Ranks, then workers.** Local rank ρ takes the positions `i ≡ ρ + epoch (mod L)` of that
+//!    order (L = ranks per host), and worker w the positions `j ≡ w + epoch (mod K)` of its
+//!    rank's list: ranks (and workers) differ by at most one shard, and which ones get the
+//!    extra shard changes every epoch.
 //!
-//! Every shard therefore lands in exactly one stream per epoch. A manifest mode with exact,
-//! equal per-rank sample counts (see `docs` in the shared design) is meant to sit beside this
-//! one, selected per dataset; the [`StreamPlan`] it yields has the same shape.
+//! **Sample-level mode** (a manifest gives every shard's sample count): exact, equal epochs.
+//! 1. **Host share by samples.** The shards, permuted with `share_seed`, are concatenated and
+//!    the sample sequence cut into H equal ranges (±1); a shard on a boundary is split between
+//!    two hosts. Stable across epochs and runs, balanced by samples.
+//! 2. **Passes.** Pass p of a host is its pieces permuted with (seed, p, host), concatenated;
+//!    the host's sample sequence is pass 0, pass 1, ... end to end.
+//! 3. **Equal counts.** Every stream (rank × worker) of every host gets `C = ⌊⌊N/H⌋ / S⌋`
+//!    samples (N samples in all, S streams per host), or exactly `samples_per_epoch` when that
+//!    is set. Epoch e reads pass e (the last `N_h − C·S` samples of the pass are dropped: fewer
+//!    than S + 1 per host, and which ones changes with the epoch), or with
+//!    `samples_per_epoch` = E the samples `[e·E·S, (e+1)·E·S)` of the endless sequence, wrapping
+//!    into the next pass like webdataset's `with_epoch`.
+//! 4. **Streams.** Stream s = local rank · K + worker takes the s-th run of C samples: a few
+//!    contiguous pieces, so a stream touches few shards.
+//!
+//! In both modes every stream's samples are then shuffled in windows (`shuffle.rs`), which is
+//! what makes an exact resume cost one window.
 
 use crate::config::Topology;
 use crate::shuffle::{self, SplitMix64, tag};
@@ -32,6 +48,29 @@ pub struct StreamRequest {
     pub world_size: u32,
     pub worker: u32,
     pub num_workers: u32,
+}
+
+/// What the plan needs to know about a dataset.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape<'a> {
+    pub num_shards: usize,
+    /// Samples in each shard (a manifest's): sample-level mode. `None`: shard-level mode.
+    pub counts: Option<&'a [u64]>,
+    pub share_seed: u64,
+    /// Samples per stream per epoch, fixed (sample-level mode only).
+    pub samples_per_epoch: Option<u64>,
+}
+
+impl Shape<'_> {
+    /// A dataset planned by whole shards.
+    pub fn shards(num_shards: usize) -> Shape<'static> {
+        Shape {
+            num_shards,
+            counts: None,
+            share_seed: 0,
+            samples_per_epoch: None,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -57,43 +96,48 @@ pub enum PlanError {
     ZeroWorkers,
     #[error("worker {worker} must be less than num_workers {num_workers}")]
     WorkerOutOfRange { worker: u32, num_workers: u32 },
+    #[error("samples_per_epoch is set but this host's share of the dataset has no samples")]
+    NoSamples,
+    #[error("epoch {epoch} is past the end of what samples_per_epoch can number")]
+    EpochTooLarge { epoch: u64 },
+}
+
+/// A run of one shard's samples, in tar order: samples `start..end` (`end: None` = to the
+/// end of the shard; shard-level plans read whole shards).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    pub shard: usize,
+    pub start: u64,
+    pub end: Option<u64>,
 }
 
 /// One stream's share of an epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamPlan {
-    /// Indices into the dataset's shard list, in reading order.
-    pub shards: Vec<usize>,
+    /// What the stream reads, in order.
+    pub pieces: Vec<Piece>,
     /// Keys the stream's sample shuffle: (seed, epoch, rank, worker, num_workers).
     pub stream_key: u64,
+    /// Samples the stream delivers, when known (sample-level mode).
+    pub samples: Option<u64>,
+    /// Samples this host leaves out this epoch so that every stream gets as many.
+    pub dropped: u64,
+}
+
+impl StreamPlan {
+    /// The shards the stream reads, in order (a shard may appear twice when it wraps).
+    pub fn shards(&self) -> impl Iterator<Item = usize> + '_ {
+        self.pieces.iter().map(|p| p.shard)
+    }
 }
 
 /// Plans one stream, or says why the request cannot be served by this host.
 pub fn plan_stream(
-    num_shards: usize,
-    share_seed: u64,
+    shape: Shape,
     host: Topology,
     req: &StreamRequest,
 ) -> Result<StreamPlan, PlanError> {
     let local_rank = validate(host, req)?;
-    let ranks_per_host = (req.world_size / host.count) as usize;
-
-    let mut order = host_share(num_shards, share_seed, host);
-    let mut rng = SplitMix64::new(shuffle::key(&[
-        tag::EPOCH_ORDER,
-        req.seed,
-        req.epoch,
-        host.index as u64,
-    ]));
-    shuffle::shuffle(&mut order, &mut rng);
-
-    let shards = order
-        .into_iter()
-        .skip(local_rank)
-        .step_by(ranks_per_host)
-        .skip(req.worker as usize)
-        .step_by(req.num_workers as usize)
-        .collect();
     let stream_key = shuffle::key(&[
         tag::STREAM,
         req.seed,
@@ -102,21 +146,216 @@ pub fn plan_stream(
         req.worker as u64,
         req.num_workers as u64,
     ]);
-    Ok(StreamPlan { shards, stream_key })
+    match shape.counts {
+        None => Ok(StreamPlan {
+            pieces: plan_shards(shape, host, req, local_rank)
+                .into_iter()
+                .map(|shard| Piece {
+                    shard,
+                    start: 0,
+                    end: None,
+                })
+                .collect(),
+            stream_key,
+            samples: None,
+            dropped: 0,
+        }),
+        Some(counts) => plan_samples(counts, shape, host, req, local_rank, stream_key),
+    }
 }
 
-/// The shards this host owns in every epoch, in ascending position of the permutation
-/// keyed by `share_seed`.
-pub fn host_share(num_shards: usize, share_seed: u64, host: Topology) -> Vec<usize> {
+fn plan_shards(shape: Shape, host: Topology, req: &StreamRequest, local_rank: usize) -> Vec<usize> {
+    let ranks_per_host = (req.world_size / host.count) as u64;
+    let workers = req.num_workers as u64;
+    let mut order = host_shards(shape.num_shards, shape.share_seed, host, req.epoch);
+    let mut rng = SplitMix64::new(shuffle::key(&[
+        tag::EPOCH_ORDER,
+        req.seed,
+        req.epoch,
+        host.index as u64,
+    ]));
+    shuffle::shuffle(&mut order, &mut rng);
+    let rank_slot = ((local_rank as u64 + req.epoch % ranks_per_host) % ranks_per_host) as usize;
+    let worker_slot = ((req.worker as u64 + req.epoch % workers) % workers) as usize;
+    order
+        .into_iter()
+        .skip(rank_slot)
+        .step_by(ranks_per_host as usize)
+        .skip(worker_slot)
+        .step_by(workers as usize)
+        .collect()
+}
+
+/// The shard-level share of a host in one epoch: its fixed shards, in ascending position of
+/// the permutation keyed by `share_seed`, then the leftovers that fall to it this epoch.
+pub fn host_shards(num_shards: usize, share_seed: u64, host: Topology, epoch: u64) -> Vec<usize> {
+    let all = share_order(num_shards, share_seed);
+    let hosts = host.count as usize;
+    let fixed = num_shards / hosts * hosts;
+    let leftovers = all[fixed..]
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| (*j as u64 + epoch) % hosts as u64 == host.index as u64)
+        .map(|(_, &s)| s);
+    all[..fixed]
+        .iter()
+        .skip(host.index as usize)
+        .step_by(hosts)
+        .copied()
+        .chain(leftovers)
+        .collect()
+}
+
+/// Every shard this host may read in some epoch: what `warm` fills the cache with.
+pub fn warm_shards(shape: Shape, host: Topology) -> Vec<usize> {
+    match shape.counts {
+        Some(counts) => host_pieces(counts, shape.share_seed, host)
+            .0
+            .iter()
+            .map(|p| p.shard)
+            .collect(),
+        None => {
+            let all = share_order(shape.num_shards, shape.share_seed);
+            let fixed = shape.num_shards / host.count as usize * host.count as usize;
+            let mut mine = host_shards(shape.num_shards, shape.share_seed, host, 0);
+            mine.retain(|s| !all[fixed..].contains(s));
+            mine.extend_from_slice(&all[fixed..]);
+            mine
+        }
+    }
+}
+
+fn share_order(num_shards: usize, share_seed: u64) -> Vec<usize> {
     let mut all: Vec<usize> = (0..num_shards).collect();
     shuffle::shuffle(
         &mut all,
         &mut SplitMix64::new(shuffle::key(&[tag::HOST_SHARE, share_seed])),
     );
-    all.into_iter()
-        .skip(host.index as usize)
-        .step_by(host.count as usize)
-        .collect()
+    all
+}
+
+/// A host's pieces (share order) and the total samples of the dataset.
+fn host_pieces(counts: &[u64], share_seed: u64, host: Topology) -> (Vec<Piece>, u128) {
+    let total: u128 = counts.iter().map(|&n| n as u128).sum();
+    let (h, hosts) = (host.index as u128, host.count as u128);
+    let (lo, hi) = (total * h / hosts, total * (h + 1) / hosts);
+    let mut pieces = Vec::new();
+    let mut at = 0u128;
+    for shard in share_order(counts.len(), share_seed) {
+        let (a, b) = (at, at + counts[shard] as u128);
+        at = b;
+        let (x, y) = (a.max(lo), b.min(hi));
+        if x < y {
+            pieces.push(Piece {
+                shard,
+                start: (x - a) as u64,
+                end: Some((y - a) as u64),
+            });
+        }
+    }
+    (pieces, total)
+}
+
+fn plan_samples(
+    counts: &[u64],
+    shape: Shape,
+    host: Topology,
+    req: &StreamRequest,
+    local_rank: usize,
+    stream_key: u64,
+) -> Result<StreamPlan, PlanError> {
+    let (pieces, total) = host_pieces(counts, shape.share_seed, host);
+    let here: u128 = pieces.iter().map(|p| len(p) as u128).sum();
+    let streams = (req.world_size / host.count) as u128 * req.num_workers as u128;
+    let stream = local_rank as u128 * req.num_workers as u128 + req.worker as u128;
+    let (per_stream, epoch_start, dropped) = match shape.samples_per_epoch {
+        None => {
+            let c = total / host.count as u128 / streams;
+            (c, req.epoch as u128 * here, here - c * streams)
+        }
+        Some(e) => {
+            if here == 0 {
+                return Err(PlanError::NoSamples);
+            }
+            let e = e as u128;
+            (e, req.epoch as u128 * e * streams, 0)
+        }
+    };
+    let from = epoch_start + stream * per_stream;
+    if (from + per_stream) / here.max(1) > u64::MAX as u128 {
+        return Err(PlanError::EpochTooLarge { epoch: req.epoch });
+    }
+    Ok(StreamPlan {
+        pieces: take(&pieces, here, req.seed, host, from, per_stream),
+        stream_key,
+        samples: Some(per_stream as u64),
+        dropped: dropped as u64,
+    })
+}
+
+fn len(p: &Piece) -> u64 {
+    p.end.expect("sample-level pieces are bounded") - p.start
+}
+
+/// Samples `from..from + count` of the host's endless sequence (pass 0, pass 1, ...), as
+/// pieces. Pass p is the host's pieces permuted with (seed, p, host), concatenated, and
+/// rotated by an offset drawn from the same key, so that the samples an epoch leaves out at
+/// the end of its pass are other ones every epoch, even when the host has a single piece.
+fn take(
+    pieces: &[Piece],
+    here: u128,
+    seed: u64,
+    host: Topology,
+    from: u128,
+    count: u128,
+) -> Vec<Piece> {
+    let mut out: Vec<Piece> = Vec::new();
+    let (mut at, end) = (from, from + count);
+    while at < end {
+        let pass = (at / here) as u64;
+        let mut rng = SplitMix64::new(shuffle::key(&[
+            tag::PASS_ORDER,
+            seed,
+            pass,
+            host.index as u64,
+        ]));
+        let mut order = pieces.to_vec();
+        shuffle::shuffle(&mut order, &mut rng);
+        let rotate = rng.below(here as u64) as u128;
+        let pass_start = pass as u128 * here;
+        let (x, y) = (at - pass_start, end.min(pass_start + here) - pass_start);
+        let (a, b) = (x + rotate, y + rotate);
+        if b <= here {
+            extract(&order, a, b, &mut out);
+        } else if a >= here {
+            extract(&order, a - here, b - here, &mut out);
+        } else {
+            extract(&order, a, here, &mut out);
+            extract(&order, 0, b - here, &mut out);
+        }
+        at = pass_start + y;
+    }
+    out
+}
+
+/// Appends samples `lo..hi` of the concatenation of `order` to `out`, as pieces.
+fn extract(order: &[Piece], lo: u128, hi: u128, out: &mut Vec<Piece>) {
+    let mut piece_start = 0u128;
+    for p in order {
+        let piece_end = piece_start + len(p) as u128;
+        let (x, y) = (lo.max(piece_start), hi.min(piece_end));
+        if x < y {
+            out.push(Piece {
+                shard: p.shard,
+                start: p.start + (x - piece_start) as u64,
+                end: Some(p.start + (y - piece_start) as u64),
+            });
+        }
+        if piece_end >= hi {
+            break;
+        }
+        piece_start = piece_end;
+    }
 }
 
 /// Checks the request against the topology; returns the rank's index among this host's ranks.
@@ -163,6 +402,7 @@ fn validate(host: Topology, req: &StreamRequest) -> Result<usize, PlanError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::{HashMap, HashSet};
 
     fn req(
         seed: u64,
@@ -182,15 +422,15 @@ mod tests {
         }
     }
 
-    /// Every stream of every rank on every host, concatenated in (host, rank, worker) order.
+    /// Every stream of every rank on every host, in (host, rank, worker) order.
     fn whole_epoch(
-        num_shards: usize,
+        shape: Shape,
         hosts: u32,
         per_host: u32,
         workers: u32,
         seed: u64,
         epoch: u64,
-    ) -> Vec<Vec<usize>> {
+    ) -> Vec<StreamPlan> {
         let world = hosts * per_host;
         let mut streams = Vec::new();
         for h in 0..hosts {
@@ -200,18 +440,16 @@ mod tests {
             };
             for rank in h * per_host..(h + 1) * per_host {
                 for w in 0..workers {
-                    let p = plan_stream(
-                        num_shards,
-                        0,
-                        topo,
-                        &req(seed, epoch, rank, world, w, workers),
-                    )
-                    .unwrap();
-                    streams.push(p.shards);
+                    let r = req(seed, epoch, rank, world, w, workers);
+                    streams.push(plan_stream(shape, topo, &r).unwrap());
                 }
             }
         }
         streams
+    }
+
+    fn shard_lists(streams: &[StreamPlan]) -> Vec<Vec<usize>> {
+        streams.iter().map(|s| s.shards().collect()).collect()
     }
 
     #[test]
@@ -220,10 +458,16 @@ mod tests {
             for hosts in 1..=4 {
                 for per_host in 1..=4 {
                     for workers in 1..=3 {
-                        for epoch in 0..2 {
-                            let streams =
-                                whole_epoch(num_shards, hosts, per_host, workers, 7, epoch);
-                            let mut all: Vec<usize> = streams.concat();
+                        for epoch in 0..3 {
+                            let streams = whole_epoch(
+                                Shape::shards(num_shards),
+                                hosts,
+                                per_host,
+                                workers,
+                                7,
+                                epoch,
+                            );
+                            let mut all: Vec<usize> = shard_lists(&streams).concat();
                             all.sort();
                             assert_eq!(
                                 all,
@@ -238,69 +482,69 @@ mod tests {
     }
 
     #[test]
-    fn ranks_on_a_host_differ_by_at_most_one_shard() {
-        let streams = whole_epoch(101, 2, 4, 1, 3, 0);
-        for host in streams.chunks(4) {
-            let lens: Vec<usize> = host.iter().map(Vec::len).collect();
+    fn extra_shards_rotate_between_hosts_and_ranks() {
+        // 10 shards, 3 hosts of 2 ranks: 1 leftover shard, and uneven ranks within a host.
+        let mut host_counts: HashSet<Vec<usize>> = HashSet::new();
+        let mut rank_counts: HashSet<Vec<usize>> = HashSet::new();
+        for epoch in 0..6 {
+            let streams = shard_lists(&whole_epoch(Shape::shards(10), 3, 2, 1, 1, epoch));
+            let lens: Vec<usize> = streams.iter().map(Vec::len).collect();
             assert!(
                 lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 1,
                 "{lens:?}"
             );
+            host_counts.insert(lens.chunks(2).map(|c| c.iter().sum()).collect());
+            rank_counts.insert(lens);
         }
+        assert_eq!(host_counts.len(), 3, "the leftover shard visits every host");
+        assert!(rank_counts.len() > 1, "the extra shards move between ranks");
     }
 
     #[test]
     fn deterministic_and_epoch_dependent() {
-        let a = whole_epoch(64, 2, 2, 2, 11, 0);
-        assert_eq!(a, whole_epoch(64, 2, 2, 2, 11, 0));
-        assert_ne!(a, whole_epoch(64, 2, 2, 2, 11, 1));
-        assert_ne!(a, whole_epoch(64, 2, 2, 2, 12, 0));
+        let lists =
+            |seed, epoch| shard_lists(&whole_epoch(Shape::shards(64), 2, 2, 2, seed, epoch));
+        let a = lists(11, 0);
+        assert_eq!(a, lists(11, 0));
+        assert_ne!(a, lists(11, 1));
+        assert_ne!(a, lists(12, 0));
         let topo = Topology { index: 0, count: 1 };
-        let k0 = plan_stream(8, 0, topo, &req(1, 0, 0, 1, 0, 1))
-            .unwrap()
-            .stream_key;
-        let k1 = plan_stream(8, 0, topo, &req(1, 1, 0, 1, 0, 1))
-            .unwrap()
-            .stream_key;
-        assert_ne!(k0, k1);
+        let key = |epoch| {
+            plan_stream(Shape::shards(8), topo, &req(1, epoch, 0, 1, 0, 1))
+                .unwrap()
+                .stream_key
+        };
+        assert_ne!(key(0), key(1));
     }
 
     #[test]
-    fn host_share_is_stable_across_epochs() {
-        for epoch in 0..5 {
-            for h in 0..3 {
-                let streams = whole_epoch(50, 3, 2, 2, 5, epoch);
-                let mut mine: Vec<usize> = streams[(h * 4) as usize..(h * 4 + 4) as usize].concat();
-                mine.sort();
-                let mut share = host_share(50, 0, Topology { index: h, count: 3 });
-                share.sort();
-                assert_eq!(mine, share);
-            }
-        }
-    }
-
-    #[test]
-    fn host_share_does_not_depend_on_the_run_seed() {
+    fn host_shares_are_stable_and_do_not_depend_on_the_run_seed() {
+        // 48 shards on 3 hosts: no leftovers, so a host's shards are the same in every epoch
+        // of every run.
         for h in 0..3 {
             let topo = Topology { index: h, count: 3 };
-            let shares: Vec<Vec<usize>> = (0..4)
-                .map(|seed| {
-                    let mut mine: Vec<usize> = (0..3)
-                        .flat_map(|r| {
-                            plan_stream(40, 9, topo, &req(seed, 2, h * 3 + r, 9, 0, 1))
-                                .unwrap()
-                                .shards
-                        })
-                        .collect();
-                    mine.sort();
-                    mine
-                })
-                .collect();
-            assert!(shares.iter().all(|s| *s == shares[0]));
-            let mut share = host_share(40, 9, topo);
+            let mut share = host_shards(48, 9, topo, 0);
             share.sort();
-            assert_eq!(shares[0], share);
-            assert_ne!(host_share(40, 10, topo), host_share(40, 9, topo));
+            for (seed, epoch) in [(0, 0), (1, 0), (5, 3), (2, 7)] {
+                let mut mine: Vec<usize> = (0..2)
+                    .flat_map(|r| {
+                        plan_stream(
+                            Shape {
+                                share_seed: 9,
+                                ..Shape::shards(48)
+                            },
+                            topo,
+                            &req(seed, epoch, h * 2 + r, 6, 0, 1),
+                        )
+                        .unwrap()
+                        .shards()
+                        .collect::<Vec<_>>()
+                    })
+                    .collect();
+                mine.sort();
+                assert_eq!(mine, share, "host {h} seed {seed} epoch {epoch}");
+            }
+            assert_ne!(host_shards(48, 10, topo, 0), host_shards(48, 9, topo, 0));
         }
     }
 
@@ -309,19 +553,163 @@ mod tests {
     #[test]
     fn golden_shard_orders() {
         let topo = Topology { index: 1, count: 2 };
-        let p = plan_stream(10, 0, topo, &req(7, 3, 2, 4, 0, 1)).unwrap();
-        assert_eq!(host_share(10, 0, topo), GOLDEN_SHARE);
-        assert_eq!(p.shards, GOLDEN_RANK2);
+        let p = plan_stream(Shape::shards(11), topo, &req(7, 3, 2, 4, 0, 1)).unwrap();
+        assert_eq!(p.shards().collect::<Vec<_>>(), GOLDEN_SHARDS);
         assert_eq!(p.stream_key, GOLDEN_KEY);
+        let counts = [5, 9, 3, 12, 7, 1, 8];
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(counts.len())
+        };
+        let p = plan_stream(shape, topo, &req(7, 3, 3, 4, 1, 2)).unwrap();
+        assert_eq!(p.pieces, golden_pieces());
+        assert_eq!((p.samples, p.dropped), (Some(5), 3));
     }
-    const GOLDEN_SHARE: [usize; 5] = [7, 5, 6, 1, 2];
-    const GOLDEN_RANK2: [usize; 3] = [7, 1, 5];
+    const GOLDEN_SHARDS: [usize; 3] = [2, 4, 0];
     const GOLDEN_KEY: u64 = 10125191524557636659;
+    fn golden_pieces() -> Vec<Piece> {
+        let piece = |shard, start, end| Piece {
+            shard,
+            start,
+            end: Some(end),
+        };
+        vec![piece(0, 1, 5), piece(1, 0, 1)]
+    }
+
+    /// A random dataset shape and topology, from a seed.
+    fn random_case(case: u64) -> (Vec<u64>, u32, u32, u32, u64) {
+        let mut r = SplitMix64::new(case);
+        let shards = 1 + r.below(40) as usize;
+        let counts: Vec<u64> = (0..shards).map(|_| r.below(60)).collect();
+        let hosts = 1 + r.below(4) as u32;
+        let per_host = 1 + r.below(4) as u32;
+        let workers = 1 + r.below(3) as u32;
+        (counts, hosts, per_host, workers, r.next_u64())
+    }
+
+    fn samples_of(p: &StreamPlan) -> Vec<(usize, u64)> {
+        p.pieces
+            .iter()
+            .flat_map(|piece| (piece.start..piece.end.unwrap()).map(move |i| (piece.shard, i)))
+            .collect()
+    }
+
+    #[test]
+    fn exact_epochs_are_equal_complete_and_rotate_their_drops() {
+        for case in 0..300 {
+            let (counts, hosts, per_host, workers, seed) = random_case(case);
+            let shape = Shape {
+                counts: Some(&counts),
+                ..Shape::shards(counts.len())
+            };
+            let total: u64 = counts.iter().sum();
+            let streams_per_host = (per_host * workers) as u64;
+            let everything: HashSet<(usize, u64)> = counts
+                .iter()
+                .enumerate()
+                .flat_map(|(s, &n)| (0..n).map(move |i| (s, i)))
+                .collect();
+            let mut dropped_sets = Vec::new();
+            for epoch in 0..3 {
+                let streams = whole_epoch(shape, hosts, per_host, workers, seed, epoch);
+                let want = total / hosts as u64 / streams_per_host;
+                let mut seen = HashSet::new();
+                for s in &streams {
+                    let got = samples_of(s);
+                    assert_eq!(got.len() as u64, want, "case {case}: unequal streams");
+                    assert_eq!(s.samples, Some(want));
+                    for x in got {
+                        assert!(seen.insert(x), "case {case}: {x:?} twice in epoch {epoch}");
+                    }
+                }
+                let dropped: HashSet<(usize, u64)> =
+                    everything.difference(&seen).copied().collect();
+                let reported: u64 = streams
+                    .chunks(streams_per_host as usize)
+                    .map(|h| h[0].dropped)
+                    .sum();
+                assert_eq!(
+                    dropped.len() as u64,
+                    reported,
+                    "case {case}: drops reported"
+                );
+                assert!(
+                    reported < hosts as u64 * (streams_per_host + 1),
+                    "case {case}: {reported} dropped"
+                );
+                dropped_sets.push(dropped);
+            }
+            if dropped_sets[0].len() > 1 && counts.len() > 1 {
+                assert!(
+                    dropped_sets[0] != dropped_sets[1] || dropped_sets[1] != dropped_sets[2],
+                    "case {case}: the same samples are dropped every epoch"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_host_reads_only_its_own_share_in_every_epoch() {
+        for case in 300..400 {
+            let (counts, hosts, per_host, workers, seed) = random_case(case);
+            let shape = Shape {
+                counts: Some(&counts),
+                ..Shape::shards(counts.len())
+            };
+            for h in 0..hosts {
+                let topo = Topology {
+                    index: h,
+                    count: hosts,
+                };
+                let own: HashSet<usize> = warm_shards(shape, topo).into_iter().collect();
+                for epoch in 0..3 {
+                    let streams = whole_epoch(shape, hosts, per_host, workers, seed, epoch);
+                    let per = (per_host * workers) as usize;
+                    for s in &streams[h as usize * per..(h as usize + 1) * per] {
+                        assert!(s.shards().all(|x| own.contains(&x)), "case {case}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn samples_per_epoch_is_exact_and_wraps_into_the_next_pass() {
+        let counts = [10, 7, 13];
+        let shape = Shape {
+            counts: Some(&counts),
+            samples_per_epoch: Some(9),
+            ..Shape::shards(3)
+        };
+        let topo = Topology { index: 0, count: 1 };
+        let mut per_sample: HashMap<(usize, u64), u32> = HashMap::new();
+        for epoch in 0..6 {
+            for w in 0..2 {
+                let p = plan_stream(shape, topo, &req(3, epoch, 0, 1, w, 2)).unwrap();
+                let got = samples_of(&p);
+                assert_eq!(got.len(), 9);
+                for x in got {
+                    *per_sample.entry(x).or_default() += 1;
+                }
+            }
+        }
+        // 6 epochs x 18 samples = 108 = 3 whole passes of 30 plus 18: every sample read 3 or
+        // 4 times, never more often than the passes allow.
+        assert_eq!(per_sample.len(), 30);
+        assert!(
+            per_sample.values().all(|&n| n == 3 || n == 4),
+            "{per_sample:?}"
+        );
+    }
 
     #[test]
     fn refuses_what_this_host_cannot_serve() {
         let topo = Topology { index: 1, count: 2 };
-        let err = |r: StreamRequest| plan_stream(10, 0, topo, &r).unwrap_err().to_string();
+        let err = |r: StreamRequest| {
+            plan_stream(Shape::shards(10), topo, &r)
+                .unwrap_err()
+                .to_string()
+        };
         assert_eq!(
             err(req(0, 0, 4, 4, 0, 1)),
             "rank 4 must be less than world_size 4"
@@ -340,5 +728,15 @@ mod tests {
         );
         assert_eq!(err(req(0, 0, 0, 0, 0, 1)), "world_size must be at least 1");
         assert_eq!(err(req(0, 0, 2, 4, 0, 0)), "num_workers must be at least 1");
+        let empty: [u64; 1] = [0];
+        let shape = Shape {
+            counts: Some(&empty),
+            samples_per_epoch: Some(4),
+            ..Shape::shards(1)
+        };
+        assert_eq!(
+            plan_stream(shape, topo, &req(0, 0, 2, 4, 0, 1)).unwrap_err(),
+            PlanError::NoSamples
+        );
     }
 }

@@ -16,7 +16,9 @@ use crate::shard::Sample;
 
 /// First bytes each side sends: magic, then the protocol version (u16, little-endian).
 pub const MAGIC: &[u8; 6] = b"SHARDD";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+/// The oldest client version the daemon still serves (version 1 has no `start`).
+pub const OLDEST_VERSION: u16 = 1;
 pub const PREAMBLE_LEN: usize = 8;
 /// Frame header: body length (u32 LE, not counting the header) and kind (u8).
 pub const HEADER_LEN: usize = 5;
@@ -73,6 +75,10 @@ pub struct Request {
     pub num_workers: u32,
     #[serde(default)]
     pub seed: u64,
+    /// Samples of this stream already delivered (a resume): the stream starts after them.
+    /// Version 2.
+    #[serde(default)]
+    pub start: u64,
 }
 
 fn one() -> u32 {
@@ -87,6 +93,20 @@ pub struct Start {
     pub shards: usize,
     pub host: u32,
     pub hosts: u32,
+    /// Samples in the whole stream this epoch, when the dataset has a manifest; `None` in
+    /// shard-level mode. Version 2.
+    #[serde(default)]
+    pub samples: Option<u64>,
+    /// Where the stream starts (the request's `start`). Version 2.
+    #[serde(default)]
+    pub position: u64,
+    /// Samples this host leaves out this epoch to equalise the streams. Version 2.
+    #[serde(default)]
+    pub dropped: u64,
+    /// Identifies the epoch's plan: equal on every rank of a job that asked for the same epoch
+    /// of the same data. Version 2.
+    #[serde(default)]
+    pub fingerprint: String,
 }
 
 /// END (daemon → client): the stream is complete.

@@ -175,28 +175,33 @@ async fn serve(
         worker: req.worker,
         num_workers: req.num_workers,
     };
-    let plan = plan::plan_stream(
-        dataset.shards.len(),
-        dataset.share_seed,
-        config.host,
-        &stream_req,
-    )
-    .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
+    let plan = plan::plan_stream(dataset.shape(), config.host, &stream_req)
+        .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
+    if let Some(samples) = plan.samples
+        && req.start > samples
+    {
+        return Err(refuse(
+            "bad_request",
+            format!(
+                "start {} is past the end of the stream: it has {samples} samples this epoch",
+                req.start
+            ),
+        ));
+    }
     // The prefetcher follows this stream into the same stream's next epoch.
     let next_epoch = req.epoch.checked_add(1).map(|epoch| {
         let next = StreamRequest {
             epoch,
             ..stream_req
         };
-        plan::plan_stream(dataset.shards.len(), dataset.share_seed, config.host, &next)
-            .map(|p| p.shards)
+        plan::plan_stream(dataset.shape(), config.host, &next)
+            .map(|p| p.shards().collect::<Vec<_>>())
             .unwrap_or_default()
     });
     let schedule_shards = plan
-        .shards
-        .iter()
-        .chain(next_epoch.iter().flatten())
-        .map(|&i| dataset.shards[i].clone())
+        .shards()
+        .chain(next_epoch.into_iter().flatten())
+        .map(|i| dataset.shards[i].clone())
         .collect();
     let schedule = daemon.streams.plans.open(
         StreamId {
@@ -215,13 +220,17 @@ async fn serve(
         epoch = req.epoch,
         rank = req.rank,
         worker = req.worker,
-        shards = plan.shards.len(),
+        shards = plan.pieces.len(),
     );
     let start = Start {
         dataset: dataset.name.clone(),
-        shards: plan.shards.len(),
+        shards: plan.pieces.len(),
         host: config.host.index,
         hosts: config.host.count,
+        samples: plan.samples,
+        position: req.start,
+        dropped: plan.dropped,
+        fingerprint: fingerprint(dataset, config, &stream_req, plan.samples),
     };
     protocol::write_json(wr, Kind::Start, &start)
         .await
@@ -231,7 +240,7 @@ async fn serve(
     let active = Active::new(&metrics.streams_active);
     let mut sink = Sink::new();
     let result = tokio::select! {
-        r = stream::pump(&daemon.streams, dataset, plan, schedule, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
+        r = stream::pump(&daemon.streams, dataset, plan, req.start, schedule, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
         _ = client_gone(rd) => None,
         _ = shutdown.cancelled() => {
             metrics.streams_total.with_label_values(&["cancelled"]).inc();
@@ -309,11 +318,12 @@ async fn handshake(
             "not a shardd client: a connection must start with \"SHARDD\" and a protocol version (see proto/PROTOCOL.md)",
         )
     })?;
-    if version != protocol::VERSION {
+    if !(protocol::OLDEST_VERSION..=protocol::VERSION).contains(&version) {
         return Err(refuse(
             "unsupported_version",
             format!(
-                "client speaks protocol {version}; this daemon speaks {}",
+                "client speaks protocol {version}; this daemon speaks {} to {}",
+                protocol::OLDEST_VERSION,
                 protocol::VERSION
             ),
         ));
@@ -336,6 +346,37 @@ async fn handshake(
         ));
     }
     Ok(req)
+}
+
+/// Identifies an epoch's plan for every rank of a job: the data (shard list and manifest
+/// counts, hashed once per dataset), the topology, the seed, the epoch and the stream length, hashed. Excludes the
+/// rank, the worker and this host's index, so all ranks of one job agree on it.
+fn fingerprint(
+    dataset: &crate::config::Dataset,
+    config: &Config,
+    req: &StreamRequest,
+    samples: Option<u64>,
+) -> String {
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    h.update(dataset.identity());
+    for word in [
+        config.host.count as u64,
+        req.world_size as u64,
+        req.num_workers as u64,
+        req.seed,
+        req.epoch,
+        dataset.share_seed,
+        dataset.shuffle_buffer as u64,
+        dataset.samples_per_epoch.unwrap_or(0),
+        samples.unwrap_or(u64::MAX),
+    ] {
+        h.update(word.to_le_bytes());
+    }
+    h.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Resolves when the client closes its side or sends anything after its request (which

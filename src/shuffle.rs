@@ -67,6 +67,7 @@ pub mod tag {
     pub const STREAM: u64 = 3;
     pub const WINDOW_OFFSET: u64 = 4;
     pub const WINDOW: u64 = 5;
+    pub const PASS_ORDER: u64 = 6;
 }
 
 /// Cuts a stream into windows and permutes each one, as described at the top of this module.
@@ -81,19 +82,46 @@ pub struct WindowShuffle {
 impl WindowShuffle {
     /// `stream_key` identifies (seed, epoch, stream); `window` is the shuffle buffer size.
     pub fn new(stream_key: u64, window: usize) -> Self {
-        let window = window.max(1);
-        let offset = SplitMix64::new(key(&[tag::WINDOW_OFFSET, stream_key])).below(window as u64);
-        Self {
+        let mut shuffle = Self {
             stream_key,
-            window,
+            window: window.max(1),
             next_window: 0,
-            next_len: window - offset as usize,
-        }
+            next_len: 0,
+        };
+        shuffle.next_len = shuffle.first_len();
+        shuffle
     }
 
     /// How many samples the next window takes (fewer only at the end of the stream).
     pub fn next_len(&self) -> usize {
         self.next_len
+    }
+
+    /// Moves to the window that holds stream position `position` (samples from the start)
+    /// and returns where that window starts: a resume reads from there, permutes the window
+    /// as it would have been, and skips `position - start` samples.
+    pub fn seek(&mut self, position: u64) -> u64 {
+        let first = self.first_len() as u64;
+        let window = self.window as u64;
+        let (index, start) = if position < first {
+            (0, 0)
+        } else {
+            let k = (position - first) / window;
+            (1 + k, first + k * window)
+        };
+        self.next_window = index;
+        self.next_len = if index == 0 {
+            first as usize
+        } else {
+            self.window
+        };
+        start
+    }
+
+    fn first_len(&self) -> usize {
+        let offset =
+            SplitMix64::new(key(&[tag::WINDOW_OFFSET, self.stream_key])).below(self.window as u64);
+        self.window - offset as usize
     }
 
     /// Permutes one window in place; windows must be given in stream order.
@@ -163,5 +191,32 @@ mod tests {
             .map(|k| WindowShuffle::new(k, 100).next_len())
             .collect();
         assert!(lens.len() > 10);
+    }
+
+    #[test]
+    fn seek_lands_on_the_window_that_holds_a_position() {
+        let w = WindowShuffle::new(42, 100);
+        let first = w.next_len() as u64;
+        for (position, start) in [
+            (0, 0),
+            (first - 1, 0),
+            (first, first),
+            (first + 250, first + 200),
+        ] {
+            let mut s = w.clone();
+            assert_eq!(s.seek(position), start, "position {position}");
+            assert_eq!(s.next_len(), if start == 0 { first as usize } else { 100 });
+        }
+        // Seeking to a window start permutes that window as reading up to it would have.
+        let mut read = w.clone();
+        let mut skipped: Vec<u32> = (0..first as u32).collect();
+        read.permute(&mut skipped);
+        let mut a: Vec<u32> = (0..100).collect();
+        read.permute(&mut a);
+        let mut sought = w.clone();
+        sought.seek(first + 5);
+        let mut b: Vec<u32> = (0..100).collect();
+        sought.permute(&mut b);
+        assert_eq!(a, b);
     }
 }

@@ -141,7 +141,7 @@ impl Stores {
         };
         let mut by_bucket = HashMap::new();
         for dataset in config.datasets.values() {
-            for shard in &dataset.shards {
+            for shard in dataset.shards.iter().chain(&dataset.manifest) {
                 let (scheme, bucket) = match shard.location() {
                     Location::Gcs { bucket, .. } => ("gs", bucket),
                     Location::S3 { bucket, .. } => ("s3", bucket),
@@ -206,6 +206,52 @@ impl Stores {
                 generation: meta.version,
             })
             .map_err(|e| self.store_error(shard, e))
+    }
+
+    /// A small object's (or local file's) whole content: a manifest.
+    pub async fn read_whole(&self, url: &ShardUrl) -> Result<Bytes, ReadError> {
+        let Some((store, path)) = self.object(url) else {
+            let Location::Local(file) = url.location().clone() else {
+                unreachable!("not an object, so a local file")
+            };
+            let what = url.clone();
+            return blocking(url, move || {
+                std::fs::read(&file)
+                    .map(Bytes::from)
+                    .map_err(|e| match e.kind() {
+                        std::io::ErrorKind::NotFound => ReadError::NotFound {
+                            url: what.to_string(),
+                        },
+                        _ => ReadError::io(&what, "reading the file")(e),
+                    })
+            })
+            .await;
+        };
+        self.count("get", 0);
+        let got = store
+            .get(path)
+            .await
+            .map_err(|e| self.store_error(url, e))?;
+        got.bytes().await.map_err(|e| self.store_error(url, e))
+    }
+
+    /// Writes a small object (or local file) whole: a manifest.
+    pub async fn write_whole(&self, url: &ShardUrl, bytes: Bytes) -> Result<(), ReadError> {
+        let Some((store, path)) = self.object(url) else {
+            let Location::Local(file) = url.location().clone() else {
+                unreachable!("not an object, so a local file")
+            };
+            let what = url.clone();
+            return blocking(url, move || {
+                std::fs::write(&file, &bytes).map_err(ReadError::io(&what, "writing the file"))
+            })
+            .await;
+        };
+        store
+            .put(path, bytes.into())
+            .await
+            .map(|_| ())
+            .map_err(|e| self.store_error(url, e))
     }
 
     /// Reads exactly `version` of the shard into `file` (empty, owned by the cache).

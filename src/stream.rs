@@ -18,7 +18,7 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::cache::{Cache, FetchError};
 use crate::config::Dataset;
 use crate::metrics::Metrics;
-use crate::plan::StreamPlan;
+use crate::plan::{Piece, StreamPlan};
 use crate::prefetch::{Plans, ScheduleHandle};
 use crate::protocol::{self, End};
 use crate::shard::{self, Sample, ShardError};
@@ -41,6 +41,10 @@ pub enum StreamError {
     Client(std::io::Error),
     #[error("the client accepted no data for server.stall_timeout ({0:?})")]
     Stalled(Duration),
+    /// The shard does not hold what the manifest says (the daemon checked sizes and ETags
+    /// at start; this is a manifest made from other bytes).
+    #[error("{0}")]
+    Manifest(String),
 }
 
 /// What every stream shares.
@@ -51,28 +55,42 @@ pub struct StreamContext {
     pub stall_timeout: Duration,
 }
 
-/// Serves one stream to `sock` through `sink`; returns the END summary once every sample is
+/// Serves one stream to `sock` through `sink`, from stream position `start` (samples
+/// already delivered by an earlier connection); returns the END summary once every sample is
 /// written. `schedule` is the stream's registration with the prefetcher.
+///
+/// A resume reads from the start of the shuffle window that holds `start`: with a manifest
+/// the pieces before it are cut off without reading them; without one, the shards before it
+/// are read and their samples dropped (their counts are not known otherwise).
 pub async fn pump(
     ctx: &StreamContext,
     dataset: &Dataset,
     plan: StreamPlan,
+    start: u64,
     schedule: ScheduleHandle,
     sock: &UnixStream,
     sink: &mut Sink,
 ) -> Result<End, StreamError> {
+    let mut shuffle = WindowShuffle::new(plan.stream_key, dataset.shuffle_buffer);
+    let window_start = shuffle.seek(start);
+    let (pieces, discard) = match plan.samples {
+        Some(_) => (skip_samples(plan.pieces, window_start), 0),
+        None => (plan.pieces, window_start),
+    };
     let mut reader = ShardReader {
         cache: &ctx.cache,
         dataset,
-        queue: plan.shards.into(),
+        queue: pieces.into(),
         current: None,
         next: None,
         schedule,
     };
     let mut order = SampleOrder {
-        shuffle: WindowShuffle::new(plan.stream_key, dataset.shuffle_buffer),
+        shuffle,
         loaded: VecDeque::new(),
         done: false,
+        discard,
+        skip: (start - window_start) as usize,
     };
     let mut end = End {
         samples: 0,
@@ -125,18 +143,26 @@ struct SampleOrder {
     loaded: VecDeque<Sample>,
     /// No more shards will come.
     done: bool,
+    /// Samples to drop as they come in, before the first window (a resume without counts).
+    discard: u64,
+    /// Samples to drop from the front of the first window (a resume inside it).
+    skip: usize,
 }
 
 impl SampleOrder {
     /// Whether another shard's samples are needed before the next window can be cut.
     fn wants_more(&self) -> bool {
-        !self.done && self.loaded.len() < self.shuffle.next_len()
+        !self.done && (self.discard > 0 || self.loaded.len() < self.shuffle.next_len())
     }
 
     /// The next shard's samples, or `None` when the plan has no more shards.
     fn push(&mut self, shard: Option<Vec<Sample>>) {
         match shard {
-            Some(samples) => self.loaded.extend(samples),
+            Some(samples) => {
+                let drop = (self.discard.min(samples.len() as u64)) as usize;
+                self.discard -= drop as u64;
+                self.loaded.extend(samples.into_iter().skip(drop));
+            }
             None => self.done = true,
         }
     }
@@ -149,7 +175,9 @@ impl SampleOrder {
         let take = self.shuffle.next_len().min(self.loaded.len());
         let mut window: Vec<Sample> = self.loaded.drain(..take).collect();
         self.shuffle.permute(&mut window);
-        Some(window.into())
+        let mut window: VecDeque<Sample> = window.into();
+        window.drain(..std::mem::take(&mut self.skip).min(window.len()));
+        Some(window)
     }
 }
 
@@ -158,7 +186,7 @@ impl SampleOrder {
 struct ShardReader<'a> {
     cache: &'a Cache,
     dataset: &'a Dataset,
-    queue: VecDeque<usize>,
+    queue: VecDeque<Piece>,
     /// The shard `next` returns, then the one after it, loading.
     current: Option<ShardTask>,
     next: Option<ShardTask>,
@@ -189,16 +217,41 @@ impl ShardReader<'_> {
     }
 
     fn start(&mut self) -> Option<ShardTask> {
-        let index = self.queue.pop_front()?;
-        let shard = self.dataset.shards[index].clone();
+        let piece = self.queue.pop_front()?;
+        let shard = self.dataset.shards[piece.shard].clone();
         let cache = self.cache.clone();
         Some(AbortOnDropHandle::new(tokio::spawn(async move {
             let bytes = cache.get(&shard).await?;
             let url: Arc<str> = Arc::from(shard.as_str());
-            tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
+            let mut samples = tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
                 .await
-                .map_err(|e| StreamError::Internal(format!("{shard}: parsing failed: {e}")))?
-                .map_err(StreamError::from)
+                .map_err(|e| StreamError::Internal(format!("{shard}: parsing failed: {e}")))??;
+            let end = piece.end.unwrap_or(samples.len() as u64);
+            if end > samples.len() as u64 {
+                return Err(StreamError::Manifest(format!(
+                    "{shard}: the manifest counts at least {end} samples, the shard has {}",
+                    samples.len()
+                )));
+            }
+            samples.truncate(end as usize);
+            samples.drain(..piece.start as usize);
+            Ok(samples)
         })))
     }
+}
+
+/// Cuts the first `n` samples off a list of bounded pieces.
+fn skip_samples(pieces: Vec<Piece>, mut n: u64) -> Vec<Piece> {
+    let mut out = Vec::with_capacity(pieces.len());
+    for mut p in pieces {
+        let len = p.end.map_or(u64::MAX, |e| e - p.start);
+        if n >= len {
+            n -= len;
+            continue;
+        }
+        p.start += n;
+        n = 0;
+        out.push(p);
+    }
+    out
 }

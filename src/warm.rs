@@ -33,11 +33,10 @@ pub async fn run(config: Config, only: Option<String>) -> anyhow::Result<()> {
         if only.as_ref().is_some_and(|n| *n != dataset.name) {
             continue;
         }
-        let share: Vec<_> =
-            shardd::plan::host_share(dataset.shards.len(), dataset.share_seed, config.host)
-                .into_iter()
-                .map(|i| dataset.shards[i].clone())
-                .collect();
+        let share: Vec<_> = shardd::plan::warm_shards(dataset.shape(), config.host)
+            .into_iter()
+            .map(|i| dataset.shards[i].clone())
+            .collect();
         let mut progress = Progress::new(&dataset.name, share.len() as u64);
         let mut failed = Vec::new();
         let mut cached = 0usize;

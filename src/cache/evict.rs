@@ -70,7 +70,7 @@ pub fn choose(
 mod tests {
     use super::*;
     use crate::config::Topology;
-    use crate::plan::{StreamRequest, plan_stream};
+    use crate::plan::{Shape, StreamRequest, plan_stream};
 
     #[test]
     fn farthest_next_use_goes_first_and_prefetch_spares_sooner_entries() {
@@ -111,7 +111,10 @@ mod tests {
                             worker,
                             num_workers: workers,
                         };
-                        plan_stream(shards, 0, host, &req).unwrap().shards
+                        plan_stream(Shape::shards(shards), host, &req)
+                            .unwrap()
+                            .shards()
+                            .collect()
                     })
                 })
                 .collect()

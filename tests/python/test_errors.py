@@ -159,7 +159,7 @@ def raw_exchange(path, data):
 
 
 def error_frame(reply):
-    assert reply[:8] == b"SHARDD\x01\x00", reply[:8]
+    assert reply[:8] == b"SHARDD\x02\x00", reply[:8]  # the daemon speaks protocol 2
     length, kind = struct.unpack_from("<IB", reply, 8)
     assert kind == 5, f"kind {kind}"
     return json.loads(reply[13 : 13 + length])
@@ -169,7 +169,7 @@ def error_frame(reply):
     "data, code, message",
     [
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad_handshake", "not a shardd client"),
-        (b"SHARDD\x07\x00", "unsupported_version", "client speaks protocol 7; this daemon speaks 1"),
+        (b"SHARDD\x07\x00", "unsupported_version", "client speaks protocol 7; this daemon speaks 1 to 2"),
         (b"SHARDD\x01\x00" + struct.pack("<IB", 1 << 30, 1), "bad_request", "over the limit of 65536"),
         (b"SHARDD\x01\x00" + struct.pack("<IB", 5, 1) + b"hello", "bad_request", "invalid request"),
         (b"SHARDD\x01\x00" + struct.pack("<IB", 2, 3) + b"{}", "bad_request", "expected a REQUEST frame"),

@@ -1,0 +1,340 @@
+//! A dataset's manifest: every shard's URL, size, ETag/generation, CRC-32C and sample count,
+//! made by `shardd index`. With it the plan works in samples, not shards (exact, equal
+//! epochs; `plan.rs`), so the daemon checks at start that the manifest still describes the
+//! configured shards exactly: the same URLs, and sizes and ETags as the store reports them now.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+
+use crate::cache::ShardBytes;
+use crate::store::{ReadError, Stores, Version};
+use crate::url::ShardUrl;
+
+const FORMAT: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("manifest {url}: {what}")]
+    Invalid { url: String, what: String },
+    #[error("manifest {url} does not match the configured shards: {what}")]
+    Mismatch { url: String, what: String },
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    #[error("{url}: {what}")]
+    Shard { url: String, what: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub shards: Vec<Entry>,
+    pub total_samples: u64,
+    pub total_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub url: String,
+    #[serde(flatten)]
+    pub version: Version,
+    /// CRC-32C of the object's bytes as stored.
+    pub crc32c: u32,
+    pub samples: u64,
+}
+
+impl Manifest {
+    pub fn new(shards: Vec<Entry>) -> Manifest {
+        Manifest {
+            format: FORMAT,
+            total_samples: shards.iter().map(|e| e.samples).sum(),
+            total_bytes: shards.iter().map(|e| e.version.size).sum(),
+            shards,
+        }
+    }
+
+    pub fn parse(text: &[u8], url: &str) -> Result<Manifest, ManifestError> {
+        let invalid = |what: String| ManifestError::Invalid {
+            url: url.into(),
+            what,
+        };
+        let m: Manifest = serde_json::from_slice(text).map_err(|e| invalid(e.to_string()))?;
+        if m.format != FORMAT {
+            return Err(invalid(format!(
+                "format {} (this daemon reads {FORMAT})",
+                m.format
+            )));
+        }
+        if m != Manifest::new(m.shards.clone()) {
+            return Err(invalid("its totals do not add up".into()));
+        }
+        Ok(m)
+    }
+
+    /// The sample count of each configured shard, in config order, after checking that the
+    /// manifest names exactly these shards and that each one's size and ETag (generation
+    /// where both know one) are what the store reports now (`current`, in config order).
+    pub fn counts(
+        &self,
+        url: &str,
+        shards: &[ShardUrl],
+        current: &[Version],
+    ) -> Result<Vec<u64>, ManifestError> {
+        let mismatch = |what: String| ManifestError::Mismatch {
+            url: url.into(),
+            what,
+        };
+        let by_url: HashMap<&str, &Entry> =
+            self.shards.iter().map(|e| (e.url.as_str(), e)).collect();
+        if by_url.len() != self.shards.len() {
+            return Err(mismatch("it lists a shard twice".into()));
+        }
+        let mut counts = Vec::with_capacity(shards.len());
+        for (shard, now) in shards.iter().zip(current) {
+            let Some(entry) = by_url.get(shard.as_str()) else {
+                return Err(mismatch(format!("{shard} is not in it")));
+            };
+            if !same_object(&entry.version, now) {
+                return Err(mismatch(format!(
+                    "{shard} changed since it was indexed (size {} → {}, ETag {:?} → {:?})",
+                    entry.version.size, now.size, entry.version.e_tag, now.e_tag
+                )));
+            }
+            counts.push(entry.samples);
+        }
+        if self.shards.len() != shards.len() {
+            let configured: std::collections::HashSet<&str> =
+                shards.iter().map(ShardUrl::as_str).collect();
+            let extra = self
+                .shards
+                .iter()
+                .find(|e| !configured.contains(e.url.as_str()))
+                .map(|e| e.url.clone())
+                .unwrap_or_default();
+            return Err(mismatch(format!(
+                "it lists {extra}, which the config does not"
+            )));
+        }
+        Ok(counts)
+    }
+}
+
+/// Whether a manifest entry still describes the object: same size, and same ETag and
+/// generation where both sides know one (a local file's "ETag" includes its mtime, so a
+/// copied dataset is not the same object).
+fn same_object(then: &Version, now: &Version) -> bool {
+    let agree = |a: &Option<String>, b: &Option<String>| match (a, b) {
+        (Some(a), Some(b)) => a == b,
+        _ => true,
+    };
+    then.size == now.size
+        && agree(&then.e_tag, &now.e_tag)
+        && agree(&then.generation, &now.generation)
+}
+
+/// The current versions of `shards`, `parallel` HEADs (or stats) at a time, in order.
+pub async fn versions(
+    stores: &Stores,
+    shards: &[ShardUrl],
+    parallel: usize,
+) -> Result<Vec<Version>, ReadError> {
+    // Owned URLs in the futures: a borrowed one makes the future not `Send` for tokio::spawn
+    // (a known limit of higher-ranked closures).
+    futures::stream::iter(shards.iter().cloned())
+        .map(|s| async move { stores.version(&s).await })
+        .buffered(parallel.max(1))
+        .try_collect()
+        .await
+}
+
+/// Reads a manifest from a local path or an object URL and checks it against the shards.
+pub async fn load(
+    stores: &Stores,
+    source: &ShardUrl,
+    shards: &[ShardUrl],
+    parallel: usize,
+) -> Result<Arc<[u64]>, ManifestError> {
+    let text = stores.read_whole(source).await?;
+    let manifest = Manifest::parse(&text, source.as_str())?;
+    let current = versions(stores, shards, parallel).await?;
+    Ok(manifest.counts(source.as_str(), shards, &current)?.into())
+}
+
+/// Indexes `shards`, `parallel` at a time: reads each one (reusing the entry of `previous`
+/// when the object is unchanged), counts its samples and checksums it. Calls `progress`
+/// with each finished entry and the bytes read for it (0 when reused).
+pub async fn index(
+    stores: &Stores,
+    shards: &[ShardUrl],
+    previous: Option<&Manifest>,
+    parallel: usize,
+    mut progress: impl FnMut(&Entry, u64),
+) -> Result<Manifest, ManifestError> {
+    let known: HashMap<&str, &Entry> = previous
+        .map(|m| m.shards.iter().map(|e| (e.url.as_str(), e)).collect())
+        .unwrap_or_default();
+    let mut entries = futures::stream::iter(shards)
+        .map(|shard| {
+            let known = known.get(shard.as_str()).copied();
+            async move {
+                let version = stores.version(shard).await?;
+                if let Some(e) = known.filter(|e| e.version == version) {
+                    return Ok((e.clone(), 0));
+                }
+                index_one(stores, shard, version).await
+            }
+        })
+        .buffered(parallel.max(1));
+    let mut out = Vec::with_capacity(shards.len());
+    while let Some(entry) = entries.next().await {
+        let (entry, read) = entry?;
+        progress(&entry, read);
+        out.push(entry);
+    }
+    Ok(Manifest::new(out))
+}
+
+async fn index_one(
+    stores: &Stores,
+    shard: &ShardUrl,
+    version: Version,
+) -> Result<(Entry, u64), ManifestError> {
+    let file = tempfile::tempfile().map_err(|e| shard_error(shard, e.to_string()))?;
+    let copy = file
+        .try_clone()
+        .map_err(|e| shard_error(shard, e.to_string()))?;
+    stores.read_into(shard, &version, copy).await?;
+    let url: Arc<str> = Arc::from(shard.as_str());
+    let counted = tokio::task::spawn_blocking(move || count(file, &url))
+        .await
+        .map_err(|e| shard_error(shard, e.to_string()))??;
+    let (crc32c, samples) = counted;
+    let size = version.size;
+    Ok((
+        Entry {
+            url: shard.to_string(),
+            version,
+            crc32c,
+            samples,
+        },
+        size,
+    ))
+}
+
+/// CRC-32C of a shard's bytes and its sample count (a gzipped shard is counted
+/// decompressed). Blocking.
+fn count(mut file: std::fs::File, url: &Arc<str>) -> Result<(u32, u64), ManifestError> {
+    use std::io::{Read, Seek};
+    let err = |e: std::io::Error| shard_error_str(url, e.to_string());
+    file.rewind().map_err(err)?;
+    let mut raw = Vec::new();
+    file.read_to_end(&mut raw).map_err(err)?;
+    let crc = crc32c::crc32c(&raw);
+    let plain = if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        flate2::read::MultiGzDecoder::new(&raw[..])
+            .read_to_end(&mut out)
+            .map_err(err)?;
+        out
+    } else {
+        raw
+    };
+    let samples = crate::shard::parse(&ShardBytes::heap(plain.into()), url)
+        .map_err(|e| shard_error_str(url, e.to_string()))?
+        .len() as u64;
+    Ok((crc, samples))
+}
+
+fn shard_error(shard: &ShardUrl, what: String) -> ManifestError {
+    ManifestError::Shard {
+        url: shard.to_string(),
+        what,
+    }
+}
+
+fn shard_error_str(url: &str, what: String) -> ManifestError {
+    ManifestError::Shard {
+        url: url.into(),
+        what,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(url: &str, size: u64, tag: &str, samples: u64) -> Entry {
+        Entry {
+            url: url.into(),
+            version: Version {
+                size,
+                e_tag: Some(tag.into()),
+                generation: None,
+            },
+            crc32c: 0,
+            samples,
+        }
+    }
+
+    fn urls(names: &[&str]) -> Vec<ShardUrl> {
+        names
+            .iter()
+            .map(|n| ShardUrl::parse(n, std::path::Path::new("/")).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn counts_follow_the_config_order_and_mismatches_name_the_shard() {
+        let m = Manifest::new(vec![
+            entry("gs://b/a.tar", 10, "x", 3),
+            entry("gs://b/b.tar", 20, "y", 5),
+        ]);
+        let text = serde_json::to_vec(&m).unwrap();
+        assert_eq!(Manifest::parse(&text, "m.json").unwrap(), m);
+        let now = |a: u64, b: u64| vec![entry("", a, "x", 0).version, entry("", b, "y", 0).version];
+        let shards = urls(&["gs://b/b.tar", "gs://b/a.tar"]);
+        let mut swapped = now(20, 10);
+        swapped[0].e_tag = Some("y".into());
+        swapped[1].e_tag = Some("x".into());
+        assert_eq!(m.counts("m.json", &shards, &swapped).unwrap(), vec![5, 3]);
+
+        let err = m
+            .counts(
+                "m.json",
+                &urls(&["gs://b/a.tar", "gs://b/b.tar"]),
+                &now(10, 21),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("manifest m.json does not match the configured shards: gs://b/b.tar changed since it was indexed (size 20 → 21"), "{err}");
+        let err = m
+            .counts(
+                "m.json",
+                &urls(&["gs://b/a.tar", "gs://b/c.tar"]),
+                &now(10, 20),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.ends_with("gs://b/c.tar is not in it"), "{err}");
+        let err = m
+            .counts("m.json", &urls(&["gs://b/a.tar"]), &now(10, 20)[..1])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.ends_with("it lists gs://b/b.tar, which the config does not"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn totals_must_add_up() {
+        let mut m = Manifest::new(vec![entry("gs://b/a.tar", 10, "x", 3)]);
+        m.total_samples = 4;
+        let err = Manifest::parse(&serde_json::to_vec(&m).unwrap(), "m.json")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "manifest m.json: its totals do not add up");
+    }
+}
