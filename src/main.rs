@@ -7,6 +7,8 @@ use shardd::config::Config;
 use shardd::protocol::Request;
 use tokio_util::sync::CancellationToken;
 
+mod index;
+mod progress;
 mod warm;
 
 #[derive(Parser)]
@@ -30,6 +32,22 @@ enum Command {
     Check {
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Read every shard of the patterns and write a manifest (sizes, ETags, checksums,
+    /// sample counts) for exact epochs. Re-running reuses the entries of unchanged shards.
+    Index {
+        /// Shard patterns, as in a dataset's `shards` (brace expansion, gs://, s3://, paths).
+        #[arg(required = true)]
+        patterns: Vec<String>,
+        /// Where to write the manifest: a local path or an object URL.
+        #[arg(short, long)]
+        output: String,
+        /// A config whose [gcs], [s3] and [store] sections say how to reach the store.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Shards read at once.
+        #[arg(long, default_value_t = 4)]
+        parallel: usize,
     },
     /// Fill the cache with this host's share of the datasets (all, or one), ahead of a job.
     /// Idempotent: what is cached and unchanged is not fetched again. Run it while the
@@ -98,6 +116,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             runtime.block_on(serve(config))
         }
         Command::Check { config } => check(&config),
+        Command::Index {
+            patterns,
+            output,
+            config,
+            parallel,
+        } => runtime.block_on(index::run(patterns, output, config, parallel)),
         Command::Warm { config, dataset } => {
             let config = Config::load(&config)?;
             runtime.block_on(warm::run(config, dataset))

@@ -1,15 +1,14 @@
 //! `shardd warm`: fills the cache with this host's share ahead of a job, with progress.
 
-use std::io::IsTerminal;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 use shardd::cache::{Ensured, FetchError};
 use shardd::config::Config;
 use shardd::metrics::Metrics;
 use shardd::prefetch::{self, Plans};
+
+use crate::progress::Progress;
 
 pub async fn run(config: Config, only: Option<String>) -> anyhow::Result<()> {
     if let Some(name) = &only
@@ -84,84 +83,4 @@ pub async fn run(config: Config, only: Option<String>) -> anyhow::Result<()> {
         bail!("{}", problems.join("\n"));
     }
     Ok(())
-}
-
-/// A progress bar on a terminal; a plain line every few seconds otherwise.
-struct Progress {
-    name: String,
-    bar: Option<ProgressBar>,
-    total: u64,
-    done: u64,
-    bytes: u64,
-    started: Instant,
-    last_line: Instant,
-}
-
-impl Progress {
-    fn new(name: &str, total: u64) -> Progress {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = ProgressBar::new(total);
-            bar.set_style(
-                ProgressStyle::with_template(
-                    "{prefix} [{bar:30}] {pos}/{len} shards, {msg}, ETA {eta}",
-                )
-                .expect("a valid template")
-                .progress_chars("=> "),
-            );
-            bar.set_prefix(name.to_string());
-            bar
-        });
-        Progress {
-            name: name.into(),
-            bar,
-            total,
-            done: 0,
-            bytes: 0,
-            started: Instant::now(),
-            last_line: Instant::now(),
-        }
-    }
-
-    fn add(&mut self, bytes: u64) {
-        self.done += 1;
-        self.bytes += bytes;
-        let summary = self.summary();
-        match &self.bar {
-            Some(bar) => {
-                bar.set_message(summary);
-                bar.inc(1);
-            }
-            None if self.last_line.elapsed() >= Duration::from_secs(2) => {
-                self.last_line = Instant::now();
-                eprintln!(
-                    "{}: {}/{} shards, {summary}",
-                    self.name, self.done, self.total
-                );
-            }
-            None => {}
-        }
-    }
-
-    fn summary(&self) -> String {
-        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
-        format!(
-            "{:.1} MB fetched, {:.1} MB/s",
-            self.bytes as f64 / 1e6,
-            self.bytes as f64 / 1e6 / secs
-        )
-    }
-
-    fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish();
-        }
-        eprintln!(
-            "{}: {}/{} shards done, {} in {:.1}s",
-            self.name,
-            self.done,
-            self.total,
-            self.summary(),
-            self.started.elapsed().as_secs_f64()
-        );
-    }
 }

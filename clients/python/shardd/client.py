@@ -1,4 +1,4 @@
-"""The client side of proto/PROTOCOL.md (version 1).
+"""The client side of proto/PROTOCOL.md (version 2).
 
 Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
 (keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
@@ -14,7 +14,7 @@ import struct
 import weakref
 
 MAGIC = b"SHARDD"
-VERSION = 1
+VERSION = 2
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 
 KIND_REQUEST = 1
@@ -61,9 +61,13 @@ class Client:
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
 
-    def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1):
+    def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0):
         """Opens the stream of one (rank, worker) for one epoch and returns it as an iterator
-        of sample dicts. Raises ``DaemonError`` at once if the daemon refuses the request."""
+        of sample dicts. Raises ``DaemonError`` at once if the daemon refuses the request.
+
+        ``start`` resumes: the stream skips the first ``start`` samples it would have
+        delivered and yields exactly the rest, in the same order (``Stream.position`` counts
+        from it)."""
         request = {
             "op": "stream",
             "dataset": dataset,
@@ -73,6 +77,7 @@ class Client:
             "worker": int(worker),
             "num_workers": int(num_workers),
             "seed": int(seed),
+            "start": int(start),
         }
         s = Stream(self.socket_path, request, self.timeout, self._open.discard)
         self._open.add(s)
@@ -107,6 +112,7 @@ class Stream:
         self._hi = 0  # end of received bytes
         self._pending = []
         self._pos = 0
+        self._base = 0
         self.end = None
         try:
             self._sock.connect(socket_path)
@@ -121,6 +127,14 @@ class Stream:
             start = json.loads(self._take(length))
             self.shards = start["shards"]
             self.dataset = start["dataset"]
+            # Exact-epoch facts (a dataset with a manifest): the stream's whole length this
+            # epoch (None without a manifest), the samples this host leaves out, and the plan's
+            # fingerprint, equal on every rank of a job that asked for the same epoch.
+            self.samples = start.get("samples")
+            self.dropped = start.get("dropped", 0)
+            self.fingerprint = start.get("fingerprint", "")
+            # Where the stream started (the request's ``start``); see ``position``.
+            self._base = start.get("position", 0)
         except BaseException:
             self.close()
             raise
@@ -149,17 +163,25 @@ class Stream:
         while True:
             kind, length = self._frame_header()
             if kind == KIND_BATCH:
+                self._base += len(self._pending)
                 self._pending = pending = self._read_batch(length)
                 if pending:
                     self._pos = 1
                     return pending[0]
             elif kind == KIND_END:
                 self.end = json.loads(self._take(length))
+                self._base += len(self._pending)
                 self._pending, self._pos = [], 0
                 self.close()
                 raise StopIteration
             else:
                 self._unexpected(kind, length)
+
+    @property
+    def position(self):
+        """Samples of this epoch's stream delivered so far, including the ``start`` skipped:
+        what to pass as ``start`` to resume right after the last sample yielded."""
+        return self._base + self._pos
 
     def close(self):
         if self._sock is not None:
