@@ -51,10 +51,16 @@ pub async fn run(
     };
     let mut progress = Progress::new("index", dataset.shards.len() as u64);
     let mut reused = 0usize;
-    let made = manifest::index(&stores, &dataset.shards, previous.as_ref(), parallel, |_, read| {
-        reused += (read == 0) as usize;
-        progress.add(read);
-    })
+    let made = manifest::index(
+        &stores,
+        &dataset.shards,
+        previous.as_ref(),
+        parallel,
+        |_, read| {
+            reused += (read == 0) as usize;
+            progress.add(read);
+        },
+    )
     .await;
     progress.finish();
     let made = made?;
