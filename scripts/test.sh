@@ -19,7 +19,7 @@ apt_install() {
 }
 
 echo "== system packages"
-apt_install prometheus   # promtool checks the /metrics output
+apt_install prometheus systemd   # promtool checks /metrics; systemd-analyze checks deploy/systemd
 
 echo "== python venv"
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -78,13 +78,24 @@ impl Default for ServerSection {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HostSection {
-    pub index: u32,
-    pub count: u32,
+    pub index: HostValue,
+    pub count: HostValue,
+}
+
+/// `index = 3`, or `index = "auto"`: found at start (see `host.rs`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum HostValue {
+    Number(u32),
+    Word(String),
 }
 
 impl Default for HostSection {
     fn default() -> Self {
-        Self { index: 0, count: 1 }
+        Self {
+            index: HostValue::Number(0),
+            count: HostValue::Number(1),
+        }
     }
 }
 
@@ -189,7 +200,10 @@ pub struct Config {
     pub max_connections: usize,
     pub handshake_timeout: Duration,
     pub stall_timeout: Duration,
+    /// This host among the job's hosts; where `host_auto` says so, a placeholder until
+    /// [`crate::host::resolve`] has found it.
     pub host: Topology,
+    pub host_auto: HostAuto,
     pub cache_dir: PathBuf,
     pub cache_max_bytes: u64,
     pub prefetch_shards: usize,
@@ -211,6 +225,28 @@ pub struct Config {
 pub struct Topology {
     pub index: u32,
     pub count: u32,
+}
+
+impl Topology {
+    pub fn check(&self) -> Result<(), String> {
+        if self.count == 0 {
+            return Err("host.count must be at least 1".into());
+        }
+        if self.index >= self.count {
+            return Err(format!(
+                "host.index {} must be less than host.count {}",
+                self.index, self.count
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Which of `host.index` and `host.count` are `"auto"`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostAuto {
+    pub index: bool,
+    pub count: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -311,18 +347,27 @@ impl FileConfig {
         let handshake_timeout = parse_duration(&s.handshake_timeout, "server.handshake_timeout")?;
         let stall_timeout = parse_duration(&s.stall_timeout, "server.stall_timeout")?;
 
-        let host = Topology {
-            index: self.host.index,
-            count: self.host.count,
+        let auto = |value: &HostValue, key: &str| match value {
+            HostValue::Number(n) => Ok(Some(*n)),
+            HostValue::Word(w) if w == "auto" => Ok(None),
+            HostValue::Word(w) => Err(invalid(format!(
+                "{key} {w:?} is neither a number nor \"auto\""
+            ))),
         };
-        if host.count == 0 {
-            return Err(invalid("host.count must be at least 1"));
-        }
-        if host.index >= host.count {
-            return Err(invalid(format!(
-                "host.index {} must be less than host.count {}",
-                host.index, host.count
-            )));
+        let (index, count) = (
+            auto(&self.host.index, "host.index")?,
+            auto(&self.host.count, "host.count")?,
+        );
+        let host_auto = HostAuto {
+            index: index.is_none(),
+            count: count.is_none(),
+        };
+        let host = Topology {
+            index: index.unwrap_or(0),
+            count: count.unwrap_or(1),
+        };
+        if !host_auto.count {
+            host.check().map_err(invalid)?;
         }
 
         let cache_max_bytes = parse_size(&self.cache.max_size, "cache.max_size")?;
@@ -361,6 +406,7 @@ impl FileConfig {
             handshake_timeout,
             stall_timeout,
             host,
+            host_auto,
             cache_dir: self.cache.dir,
             cache_max_bytes,
             prefetch_shards: self.cache.prefetch_shards,

@@ -27,6 +27,8 @@ pub enum StartError {
     InUse { path: PathBuf },
     #[error(transparent)]
     Cache(#[from] OpenError),
+    #[error(transparent)]
+    Host(#[from] crate::host::HostError),
     #[error("dataset {dataset:?}: {source}")]
     Manifest {
         dataset: String,
@@ -43,6 +45,8 @@ pub enum StartError {
 
 /// Runs the daemon until `shutdown` is cancelled.
 pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
+    let notifier = crate::systemd::Notifier::from_env();
+    crate::host::resolve(&mut config).await?;
     let metrics = Arc::new(Metrics::new());
     raise_fd_limit();
     let plans = Arc::new(Plans::default());
@@ -59,10 +63,27 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         ),
         None => None,
     };
-    let listener = bind_socket(&config.socket, config.socket_mode)?;
+    // A socket systemd passed (socket activation) is systemd's: used, never removed.
+    let (listener, owned) = match crate::systemd::activated_listener() {
+        Ok(Some(l)) => (
+            UnixListener::from_std(l).map_err(|source| StartError::Socket {
+                path: config.socket.clone(),
+                source,
+            })?,
+            false,
+        ),
+        Ok(None) => (bind_socket(&config.socket, config.socket_mode)?, true),
+        Err(source) => {
+            return Err(StartError::Socket {
+                path: config.socket.clone(),
+                source,
+            });
+        }
+    };
     let socket = config.socket.clone();
     tracing::info!(
-        socket = %socket.display(),
+        socket = ?listener.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf)),
+        activated = !owned,
         metrics = ?config.metrics_addr,
         datasets = config.datasets.len(),
         host = config.host.index,
@@ -79,6 +100,24 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         shutdown.clone(),
     ));
     let warmer = tokio::spawn(warm_at_start(config.clone(), cache.clone()));
+    // Ready: the socket is bound, the cache open, the stores built, the manifests checked.
+    notifier.send(&format!(
+        "READY=1\nSTATUS=serving {} datasets as host {} of {}",
+        config.datasets.len(),
+        config.host.index,
+        config.host.count
+    ));
+    // The watchdog hears from a task on the same runtime the streams run on: if that
+    // runtime wedges, systemd restarts the daemon.
+    let watchdog = notifier.watchdog_interval().map(|every| {
+        let notifier = crate::systemd::Notifier::from_env();
+        tokio::spawn(async move {
+            loop {
+                notifier.send("WATCHDOG=1");
+                tokio::time::sleep(every).await;
+            }
+        })
+    });
     let daemon = Arc::new(Daemon {
         streams: StreamContext {
             cache,
@@ -89,12 +128,18 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         config,
     });
     server::run(listener, daemon, shutdown).await;
+    notifier.send("STOPPING=1\nSTATUS=stopping");
+    if let Some(w) = watchdog {
+        w.abort();
+    }
     warmer.abort();
     let _ = prefetcher.await;
     if let Some(t) = http_task {
         let _ = t.await;
     }
-    let _ = std::fs::remove_file(&socket);
+    if owned {
+        let _ = std::fs::remove_file(&socket);
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -22,6 +22,8 @@
 //! | server | `server.rs` | Unix socket: accept, handshake, one stream per connection |
 //! | client | `client.rs` | Rust client (used by `cat`, `demo`, tests) |
 //! | metrics, http | `metrics.rs`, `http.rs` | Prometheus registry; `/metrics`, `/healthz`, `/readyz` |
+//! | host | `host.rs` | `host.index`/`host.count = "auto"`: environment, then the TPU VM metadata server |
+//! | systemd | `systemd.rs` | `Type=notify` readiness, watchdog, socket activation |
 //! | daemon | `daemon.rs` | wires the boxes together, binds, shuts down |
 //! | demo | `demo.rs` | `shardd demo`: a synthetic dataset through the whole daemon |
 //!
@@ -33,6 +35,7 @@ pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod demo;
+pub mod host;
 pub mod http;
 pub mod manifest;
 pub mod metrics;
@@ -45,4 +48,5 @@ pub mod shuffle;
 pub mod sink;
 pub mod store;
 pub mod stream;
+pub mod systemd;
 pub mod url;

@@ -10,7 +10,8 @@ use shardd::prefetch::{self, Plans};
 
 use crate::progress::Progress;
 
-pub async fn run(config: Config, only: Option<String>) -> anyhow::Result<()> {
+pub async fn run(mut config: Config, only: Option<String>) -> anyhow::Result<()> {
+    shardd::host::resolve(&mut config).await?;
     if let Some(name) = &only
         && !config.datasets.contains_key(name)
     {

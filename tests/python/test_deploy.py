@@ -1,0 +1,52 @@
+"""deploy/: the systemd units pass systemd-analyze (there is no running systemd here: verify
+and the security score work offline), and the TPU VM startup script is valid shell."""
+
+import shutil
+import subprocess
+
+from conftest import ROOT, SHARDD
+
+SYSTEMD = ROOT / "deploy" / "systemd"
+
+
+def analyze(*args):
+    tool = shutil.which("systemd-analyze")
+    assert tool, "systemd-analyze is missing: run scripts/test.sh, which installs Debian's systemd"
+    return subprocess.run([tool, *args], capture_output=True, text=True)
+
+
+def test_units_verify_clean(tmp_path):
+    # A root holding the units, the binary where ExecStart says, and systemd's own units.
+    (tmp_path / "usr/local/bin").mkdir(parents=True)
+    shutil.copy(SHARDD, tmp_path / "usr/local/bin/shardd")
+    shutil.copytree("/usr/lib/systemd/system", tmp_path / "usr/lib/systemd/system", symlinks=True)
+    units = tmp_path / "etc/systemd/system"
+    units.mkdir(parents=True)
+    for unit in ("shardd.service", "shardd.socket"):
+        shutil.copy(SYSTEMD / unit, units / unit)
+    out = analyze("verify", f"--root={tmp_path}", "/etc/systemd/system/shardd.service",
+                  "/etc/systemd/system/shardd.socket")
+    assert out.returncode == 0 and out.stdout + out.stderr == "", out.stdout + out.stderr
+    # The check can fail: an unknown key is reported.
+    bad = units / "shardd.service"
+    bad.write_text(bad.read_text().replace("WatchdogSec=", "WatchdogSecs="))
+    out = analyze("verify", f"--root={tmp_path}", "/etc/systemd/system/shardd.service")
+    assert "Unknown key 'WatchdogSecs'" in out.stderr
+
+
+def test_service_hardening_score():
+    out = analyze("security", "--offline=true", str(SYSTEMD / "shardd.service"))
+    last = [line for line in out.stdout.splitlines() if "Overall exposure level" in line]
+    assert last, out.stdout + out.stderr
+    score = float(last[0].split(":")[1].split()[0])
+    print(last[0])
+    assert score < 2.0, last[0]
+
+
+def test_tpu_vm_startup_script_is_valid_shell():
+    script = ROOT / "deploy" / "tpu-vm" / "startup.sh"
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = script.read_text()
+    # One config for every worker of the slice: the host index is found at start.
+    assert 'index = "auto"' in text and 'count = "auto"' in text
