@@ -344,8 +344,8 @@ impl FileConfig {
         if s.max_connections == 0 {
             return Err(invalid("server.max_connections must be at least 1"));
         }
-        let handshake_timeout = parse_duration(&s.handshake_timeout, "server.handshake_timeout")?;
-        let stall_timeout = parse_duration(&s.stall_timeout, "server.stall_timeout")?;
+        let handshake_timeout = parse_timeout(&s.handshake_timeout, "server.handshake_timeout")?;
+        let stall_timeout = parse_timeout(&s.stall_timeout, "server.stall_timeout")?;
 
         let auto = |value: &HostValue, key: &str| match value {
             HostValue::Number(n) => Ok(Some(*n)),
@@ -378,7 +378,7 @@ impl FileConfig {
             return Err(invalid("store.max_downloads must be at least 1"));
         }
         let revalidate = parse_duration(&self.cache.revalidate, "cache.revalidate")?;
-        let space_timeout = parse_duration(&self.cache.space_timeout, "cache.space_timeout")?;
+        let space_timeout = parse_timeout(&self.cache.space_timeout, "cache.space_timeout")?;
         let part_size = parse_size(&self.store.part_size, "store.part_size")?;
         if part_size < 1 << 20 {
             return Err(invalid("store.part_size must be at least 1MiB"));
@@ -386,8 +386,8 @@ impl FileConfig {
         if self.store.parts_in_flight == 0 {
             return Err(invalid("store.parts_in_flight must be at least 1"));
         }
-        let connect_timeout = parse_duration(&self.store.connect_timeout, "store.connect_timeout")?;
-        let read_timeout = parse_duration(&self.store.read_timeout, "store.read_timeout")?;
+        let connect_timeout = parse_timeout(&self.store.connect_timeout, "store.connect_timeout")?;
+        let read_timeout = parse_timeout(&self.store.read_timeout, "store.read_timeout")?;
 
         if self.datasets.is_empty() {
             return Err(invalid("no [datasets.NAME] section: nothing to serve"));
@@ -541,6 +541,10 @@ pub fn parse_size(text: &str, key: &str) -> Result<u64, ConfigError> {
         _ => u64::MAX,
     };
     match num {
+        // `as u64` would saturate: an absurd size is an error, not u64::MAX.
+        Some(n) if mult != u64::MAX && n * mult as f64 >= u64::MAX as f64 => {
+            Err(invalid(format!("{key} {text:?} is too large")))
+        }
         Some(n) if mult != u64::MAX => Ok((n * mult as f64) as u64),
         _ => Err(invalid(format!(
             "{key} {text:?} is not a size like \"100GiB\", \"512MB\" or \"4096\""
@@ -559,11 +563,22 @@ pub fn parse_duration(text: &str, key: &str) -> Result<Duration, ConfigError> {
         _ => f64::NAN,
     };
     match num {
-        Some(n) if secs.is_finite() => Ok(Duration::from_secs_f64(n * secs)),
+        // try_: `from_secs_f64` panics on a value too large for a Duration.
+        Some(n) if secs.is_finite() => Duration::try_from_secs_f64(n * secs)
+            .map_err(|_| invalid(format!("{key} {text:?} is too long"))),
         _ => Err(invalid(format!(
             "{key} {text:?} is not a duration like \"30s\", \"500ms\" or \"5m\""
         ))),
     }
+}
+
+/// A duration that bounds a wait: zero would fail every wait at once, so it is refused.
+pub fn parse_timeout(text: &str, key: &str) -> Result<Duration, ConfigError> {
+    let d = parse_duration(text, key)?;
+    if d.is_zero() {
+        return Err(invalid(format!("{key} {text:?} must be longer than zero")));
+    }
+    Ok(d)
 }
 
 #[cfg(test)]
@@ -643,6 +658,61 @@ mod tests {
                 .to_string();
             assert!(err.contains(expect), "{extra}: {err}");
         }
+    }
+
+    /// Issue 8: absurd durations panicked in `Duration::from_secs_f64`, and a zero timeout
+    /// was accepted (every handshake, stall or space wait would fail at once).
+    #[test]
+    fn absurd_and_zero_durations_are_refused_naming_the_key() {
+        for (extra, expect) in [
+            (
+                "[server]\nstall_timeout = \"99999999999999999999999h\"",
+                "invalid config: server.stall_timeout \"99999999999999999999999h\" is too long",
+            ),
+            (
+                "[cache]\nrevalidate = \"18446744073709551616s\"",
+                "invalid config: cache.revalidate \"18446744073709551616s\" is too long",
+            ),
+            (
+                "[cache]\nmax_size = \"99999999999999999999TiB\"",
+                "invalid config: cache.max_size \"99999999999999999999TiB\" is too large",
+            ),
+        ] {
+            let text = format!("{MINIMAL}\n{extra}\n");
+            let err = Config::parse(&text, Path::new("."))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(err, expect);
+        }
+        for (section, key) in [
+            ("server", "handshake_timeout"),
+            ("server", "stall_timeout"),
+            ("store", "connect_timeout"),
+            ("store", "read_timeout"),
+            ("cache", "space_timeout"),
+        ] {
+            for zero in ["0s", "0ms", "0.0000000001s"] {
+                let text = format!("{MINIMAL}\n[{section}]\n{key} = \"{zero}\"\n");
+                let err = Config::parse(&text, Path::new("."))
+                    .unwrap_err()
+                    .to_string();
+                assert_eq!(
+                    err,
+                    format!("invalid config: {section}.{key} \"{zero}\" must be longer than zero")
+                );
+            }
+        }
+        // revalidate = "0s" means "check the source before every use": allowed.
+        let text = format!("{MINIMAL}\n[cache]\nrevalidate = \"0s\"\n");
+        let c = Config::parse(&text, Path::new(".")).unwrap();
+        assert_eq!(c.revalidate, Duration::ZERO);
+        // The longest duration that fits is accepted (tokio treats it as "never").
+        let text = format!("{MINIMAL}\n[server]\nstall_timeout = \"10000000000000000000s\"\n");
+        let c = Config::parse(&text, Path::new(".")).unwrap();
+        assert_eq!(
+            c.stall_timeout,
+            Duration::from_secs(10_000_000_000_000_000_000)
+        );
     }
 
     #[test]

@@ -240,18 +240,21 @@ pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
 /// the hard one (1024 by default would stop a daemon with many streams long before
 /// `server.max_connections`).
 fn raise_fd_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let lim = getrlimit(Resource::Nofile);
+    // `None` is RLIM_INFINITY.
+    let below_hard = match (lim.current, lim.maximum) {
+        (Some(cur), Some(max)) => cur < max,
+        (Some(_), None) => true,
+        (None, _) => false,
     };
-    // SAFETY: plain libc calls with a valid rlimit struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            let old = lim.rlim_cur;
-            lim.rlim_cur = lim.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
-                tracing::debug!(from = old, to = lim.rlim_max, "raised the open-files limit");
-            }
+    if below_hard {
+        let raised = Rlimit {
+            current: lim.maximum,
+            maximum: lim.maximum,
+        };
+        if setrlimit(Resource::Nofile, raised).is_ok() {
+            tracing::debug!(from = ?lim.current, to = ?lim.maximum, "raised the open-files limit");
         }
     }
 }

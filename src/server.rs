@@ -392,19 +392,7 @@ async fn client_gone(rd: &mut tokio::net::unix::OwnedReadHalf) {
 const SEND_BUFFER: usize = 4 << 20;
 
 fn set_send_buffer(socket: &UnixStream, bytes: usize) {
-    use std::os::fd::AsRawFd;
-    let value = bytes as libc::c_int;
-    // SAFETY: a valid fd and a correctly sized c_int option value.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            (&value as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        tracing::debug!(error = %std::io::Error::last_os_error(), "SO_SNDBUF not set");
+    if let Err(e) = rustix::net::sockopt::set_socket_send_buffer_size(socket, bytes) {
+        tracing::debug!(error = %e, "SO_SNDBUF not set");
     }
 }

@@ -174,13 +174,7 @@ impl<'a> Members<'a> {
                 return Ok(None);
             }
             let header = tar::Header::from_byte_slice(block);
-            let sum: u32 = block[..148]
-                .iter()
-                .chain(&block[156..])
-                .map(|b| *b as u32)
-                .sum::<u32>()
-                + 8 * 32;
-            if header.cksum()? != sum {
+            if !checksum_matches(block, header.cksum()?) {
                 return Err(bad("archive header checksum mismatch").into());
             }
             let kind = header.entry_type();
@@ -264,6 +258,16 @@ impl<'a> Iterator for Members<'a> {
 }
 
 const BLOCK: usize = 512;
+
+/// A header's checksum: the sum of its bytes with the checksum field counted as spaces.
+/// Some tars (Sun, NeXT) sum the bytes as signed chars, which differs once a name has bytes
+/// of 0x80 and up; Python's `tarfile` (hence webdataset) accepts either sum, and so do we.
+fn checksum_matches(block: &[u8], stored: u32) -> bool {
+    let rest = || block[..148].iter().chain(&block[156..]);
+    let unsigned: i64 = 8 * 32 + rest().map(|b| *b as i64).sum::<i64>();
+    let signed: i64 = 8 * 32 + rest().map(|b| *b as i8 as i64).sum::<i64>();
+    stored as i64 == unsigned || stored as i64 == signed
+}
 
 fn bad(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
@@ -404,6 +408,47 @@ mod tests {
         let s = parse(&pax, &Arc::from("u")).unwrap();
         assert_eq!(s[0].key, format!("{}/y", "p".repeat(200)));
         assert_eq!(&s[0].fields[0].1[..], b"abc");
+    }
+
+    /// Issue 8: a header whose checksum is the signed-char sum (old Sun/NeXT tars) was
+    /// refused, though Python's `tarfile` (`calc_chksums`) and so webdataset read it.
+    #[test]
+    fn signed_checksum_headers_are_read() {
+        let name = "données/été.jpg"; // bytes of 0x80 and up: the two sums differ
+        let mut h = tar::Header::new_ustar();
+        h.set_path(name).unwrap();
+        h.set_size(5);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        let block = h.as_bytes().to_vec();
+        let rest = || block[..148].iter().chain(&block[156..]);
+        let unsigned: i64 = 256 + rest().map(|b| *b as i64).sum::<i64>();
+        let signed: i64 = 256 + rest().map(|b| *b as i8 as i64).sum::<i64>();
+        assert!(signed > 0 && signed != unsigned);
+        let with_cksum = |sum: i64| {
+            let mut b = block.clone();
+            b[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+            b.extend_from_slice(b"hello");
+            b.resize(512 + 512 + 1024, 0);
+            ShardBytes::heap(Bytes::from(b))
+        };
+        let url: Arc<str> = Arc::from("gs://b/sun.tar");
+        for sum in [unsigned, signed] {
+            let s = parse(&with_cksum(sum), &url).unwrap();
+            assert_eq!(s.len(), 1);
+            assert_eq!(s[0].key, "données/été");
+            assert_eq!(&*s[0].fields[0].0, "jpg");
+            assert_eq!(&s[0].fields[0].1[..], b"hello");
+        }
+        // Any other value is still a bad header.
+        let err = parse(&with_cksum(signed + 1), &url)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "gs://b/sun.tar: not a valid tar file: archive header checksum mismatch"
+        );
     }
 
     #[test]

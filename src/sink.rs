@@ -15,7 +15,9 @@
 //! writes to those pages. Heap memory is never vmspliced: it could be reused before it is read.
 
 use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::OwnedFd;
+
+use rustix::pipe::{IoSliceRaw, PipeFlags, SpliceFlags};
 
 use tokio::io::Interest;
 use tokio::net::UnixStream;
@@ -26,7 +28,7 @@ use crate::protocol::Part;
 const SPLICE_MIN: usize = 16 << 10;
 /// Pipe capacity asked for. 1 MiB measured no faster than 256 KiB, and an unprivileged user
 /// may hold only 64 MiB of pipes in all (fs.pipe-user-pages-soft): 256 connections at this size.
-const PIPE_SIZE: libc::c_int = 256 << 10;
+const PIPE_SIZE: usize = 256 << 10;
 
 pub struct Sink {
     pipe: Option<Pipe>,
@@ -77,14 +79,9 @@ impl Default for Sink {
 
 impl Pipe {
     fn new() -> io::Result<Pipe> {
-        let mut fds = [0 as RawFd; 2];
-        // SAFETY: pipe2 fills two fds on success; we take ownership of both.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let (read, write) = rustix::pipe::pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
         // A bigger pipe means fewer fill/drain rounds per frame; the default (64 KiB) works too.
-        unsafe { libc::fcntl(write.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE) };
+        let _ = rustix::pipe::fcntl_setpipe_size(&write, PIPE_SIZE);
         Ok(Pipe {
             read,
             write,
@@ -114,7 +111,7 @@ impl Pipe {
             // ...then move it into the socket, waiting while the socket is full.
             while self.pending > 0 {
                 let n = sock
-                    .async_io(Interest::WRITABLE, || self.splice_into(sock.as_raw_fd()))
+                    .async_io(Interest::WRITABLE, || self.splice_into(sock))
                     .await?;
                 if n == 0 {
                     return Err(io::ErrorKind::WriteZero.into());
@@ -139,40 +136,31 @@ impl Pipe {
                 break;
             }
         }
-        // SAFETY: IoSlice is ABI-compatible with iovec; the slices outlive the call.
-        let n = unsafe {
-            libc::writev(
-                self.write.as_raw_fd(),
-                slices.as_ptr().cast(),
-                slices.len() as libc::c_int,
-            )
-        };
-        result(n)
+        Ok(rustix::io::writev(&self.write, &slices)?)
     }
 
     fn vmsplice(&self, data: &[u8]) -> io::Result<usize> {
-        let iov = libc::iovec {
-            iov_base: data.as_ptr() as *mut libc::c_void,
-            iov_len: data.len(),
-        };
-        // SAFETY: `data` is mapped file memory (see the module docs) and valid for the call.
-        let n = unsafe { libc::vmsplice(self.write.as_raw_fd(), &iov, 1, libc::SPLICE_F_NONBLOCK) };
-        result(n)
+        let iov = [IoSliceRaw::from_slice(data)];
+        // SAFETY: vmsplice hands the pages to the pipe by reference, so they must not change
+        // until the receiver has read them. `data` is a read-only mapping of a committed cache
+        // file that nobody writes (see the module docs and `ShardBytes::spliceable`), and
+        // `self.write` is the pipe's write end (the kernel reads `data`, never writes it).
+        // No SPLICE_F_GIFT.
+        let n = unsafe { rustix::pipe::vmsplice(&self.write, &iov, SpliceFlags::NONBLOCK) }?;
+        Ok(n)
     }
 
-    fn splice_into(&self, sock: RawFd) -> io::Result<usize> {
-        // SAFETY: plain fds; null offsets mean "current position" for a pipe and a socket.
-        let n = unsafe {
-            libc::splice(
-                self.read.as_raw_fd(),
-                std::ptr::null_mut(),
-                sock,
-                std::ptr::null_mut(),
-                self.pending,
-                libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
-            )
-        };
-        result(n)
+    fn splice_into(&self, sock: &UnixStream) -> io::Result<usize> {
+        // No offsets: a pipe and a socket are read and written at their current position.
+        let flags = SpliceFlags::MOVE | SpliceFlags::NONBLOCK;
+        Ok(rustix::pipe::splice(
+            &self.read,
+            None,
+            sock,
+            None,
+            self.pending,
+            flags,
+        )?)
     }
 }
 
@@ -180,14 +168,6 @@ impl Pipe {
 /// started by vmsplice is finished by vmsplice.
 fn spliced(part: &Part) -> bool {
     matches!(part, Part::Shard(b) if b.len() >= SPLICE_MIN && b.spliceable().is_some())
-}
-
-fn result(n: isize) -> io::Result<usize> {
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
 }
 
 /// Moves the cursor (`index`, `offset`) forward by `n` bytes over `parts`.
