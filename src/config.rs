@@ -150,6 +150,8 @@ impl Default for StoreSection {
 pub struct GcsSection {
     pub endpoint: Option<String>,
     pub anonymous: bool,
+    /// A plain-http endpoint that is not loopback is refused unless this says so.
+    pub allow_http: bool,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -158,6 +160,7 @@ pub struct S3Section {
     pub endpoint: Option<String>,
     pub region: Option<String>,
     pub anonymous: bool,
+    pub allow_http: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -389,6 +392,12 @@ impl FileConfig {
         let connect_timeout = parse_timeout(&self.store.connect_timeout, "store.connect_timeout")?;
         let read_timeout = parse_timeout(&self.store.read_timeout, "store.read_timeout")?;
 
+        if let Some(g) = &self.gcs {
+            check_endpoint(g.endpoint.as_deref(), g.allow_http, "gcs")?;
+        }
+        if let Some(s) = &self.s3 {
+            check_endpoint(s.endpoint.as_deref(), s.allow_http, "s3")?;
+        }
         if self.datasets.is_empty() {
             return Err(invalid("no [datasets.NAME] section: nothing to serve"));
         }
@@ -496,6 +505,28 @@ fn validate_dataset(
         counts: None,
         shards,
     })
+}
+
+/// Credentials must not travel in clear text by mistake: a plain-http endpoint is accepted
+/// only on loopback (an emulator) or when the config says `allow_http = true`.
+fn check_endpoint(endpoint: Option<&str>, allow_http: bool, section: &str) -> Result<(), ConfigError> {
+    let Some(endpoint) = endpoint else {
+        return Ok(());
+    };
+    let url = url::Url::parse(endpoint)
+        .map_err(|e| invalid(format!("{section}.endpoint {endpoint:?} is not a URL: {e}")))?;
+    let loopback = match url.host() {
+        Some(url::Host::Domain(d)) => d == "localhost",
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    };
+    if url.scheme() == "http" && !loopback && !allow_http {
+        return Err(invalid(format!(
+            "{section}.endpoint {endpoint:?} is plain http: credentials would travel in clear text; use https, a loopback address, or set {section}.allow_http = true"
+        )));
+    }
+    Ok(())
 }
 
 fn identity(shards: &[ShardUrl], counts: Option<&[u64]>) -> [u8; 16] {
@@ -712,6 +743,24 @@ mod tests {
         assert_eq!(
             c.stall_timeout,
             Duration::from_secs(10_000_000_000_000_000_000)
+        );
+    }
+
+    #[test]
+    fn plain_http_endpoints_only_on_loopback_or_when_allowed() {
+        let with = |section: &str| {
+            Config::parse(&format!("{MINIMAL}\n{section}\n"), Path::new("."))
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        assert!(with("[gcs]\nendpoint = \"http://127.0.0.1:4443\"").is_ok());
+        assert!(with("[s3]\nendpoint = \"http://localhost:9000\"").is_ok());
+        assert!(with("[gcs]\nendpoint = \"https://storage.example.com\"").is_ok());
+        assert!(with("[s3]\nendpoint = \"http://minio.lan:9000\"\nallow_http = true").is_ok());
+        let err = with("[s3]\nendpoint = \"http://minio.lan:9000\"").unwrap_err();
+        assert_eq!(
+            err,
+            "invalid config: s3.endpoint \"http://minio.lan:9000\" is plain http: credentials would travel in clear text; use https, a loopback address, or set s3.allow_http = true"
         );
     }
 

@@ -29,9 +29,14 @@ enum Command {
         config: PathBuf,
     },
     /// Validate a config and list each dataset's shards.
+    /// Validate a config, list each dataset's shards, and ask the stores for every shard
+    /// (a HEAD or stat each): missing ones, total bytes, the largest. Exit 1 if any is missing.
     Check {
         #[arg(long)]
         config: PathBuf,
+        /// Only validate the config; do not ask the stores.
+        #[arg(long)]
+        no_store: bool,
     },
     /// Read every shard of the patterns and write a manifest (sizes, ETags, checksums,
     /// sample counts) for exact epochs. Re-running reuses the entries of unchanged shards.
@@ -115,7 +120,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let config = Config::load(&config)?;
             runtime.block_on(serve(config))
         }
-        Command::Check { config } => check(&config),
+        Command::Check { config, no_store } => runtime.block_on(check(&config, !no_store)),
         Command::Index {
             patterns,
             output,
@@ -158,10 +163,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let mut int = signal(SignalKind::interrupt())?;
         tokio::spawn(async move {
             tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-                _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+                _ = term.recv() => tracing::info!("SIGTERM: shutting down (a second signal exits at once)"),
+                _ = int.recv() => tracing::info!("SIGINT: shutting down (a second signal exits at once)"),
             }
             shutdown.cancel();
+            // Someone who asks twice does not want to wait for the drain.
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            eprintln!("shardd: second signal: exiting now");
+            std::process::exit(130);
         })
     };
     shardd::daemon::run(config, shutdown).await?;
@@ -169,10 +181,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn check(path: &std::path::Path) -> anyhow::Result<()> {
+async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()> {
+    use futures::StreamExt;
     let config = Config::load(path)?;
-    shardd::store::Stores::from_config(&config, Default::default())?;
+    let stores = shardd::store::Stores::from_config(&config, Default::default())?;
     println!("{}: ok", path.display());
+    let mut missing_in_all = 0usize;
     for (name, d) in &config.datasets {
         println!(
             "dataset {name}: {} shards, first {}, last {}, shuffle_buffer {}",
@@ -181,6 +195,40 @@ fn check(path: &std::path::Path) -> anyhow::Result<()> {
             d.shards[d.shards.len() - 1],
             d.shuffle_buffer
         );
+        if !reach_stores {
+            continue;
+        }
+        let stores = &stores;
+        let found: Vec<_> = futures::stream::iter(d.shards.iter().cloned())
+            .map(|s| async move { (stores.version(&s).await, s) })
+            .buffered(config.max_downloads)
+            .collect()
+            .await;
+        let (mut bytes, mut largest, mut missing) = (0u64, None, Vec::new());
+        for (version, shard) in found {
+            match version {
+                Ok(v) => {
+                    bytes += v.size;
+                    if largest.as_ref().is_none_or(|(n, _)| v.size > *n) {
+                        largest = Some((v.size, shard));
+                    }
+                }
+                Err(e) => missing.push(e.to_string()),
+            }
+        }
+        if let Some((size, shard)) = largest {
+            println!("dataset {name}: {bytes} bytes in the store; the largest shard is {shard} ({size} bytes)");
+        }
+        for m in missing.iter().take(10) {
+            println!("dataset {name}: {m}");
+        }
+        if !missing.is_empty() {
+            println!("dataset {name}: {} of {} shards cannot be read", missing.len(), d.shards.len());
+        }
+        missing_in_all += missing.len();
+    }
+    if missing_in_all > 0 {
+        anyhow::bail!("{missing_in_all} shards cannot be read (listed above)");
     }
     Ok(())
 }

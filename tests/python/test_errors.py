@@ -212,15 +212,24 @@ def test_killed_daemon_is_an_error_then_restart_serves(daemon):
     still_serves(daemon)
 
 
-def test_check_lists_shards_and_rejects_bad_configs(tmp_path, fake_gcs):
+def test_check_lists_shards_and_rejects_bad_configs(tmp_path, fake_gcs, train_paths):
     good = tmp_path / "good.toml"
     good.write_text(gcs_config(fake_gcs))
     out = subprocess.run([SHARDD, "check", "--config", str(good)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
     assert (
         "dataset train: 12 shards, first gs://bkt/train/train-000000.tar, "
         "last gs://bkt/train/train-000011.tar, shuffle_buffer 25"
     ) in out.stdout
+    # check asks the store about every shard: sizes, the largest, and what is missing.
+    sizes = {p.name: p.stat().st_size for p in train_paths}
+    name, size = max(sizes.items(), key=lambda kv: (kv[1], -int(kv[0][6:12])))
+    assert (f"dataset train: {sum(sizes.values())} bytes in the store; the largest shard is "
+            f"gs://bkt/train/{name} ({size} bytes)") in out.stdout, out.stdout
+    assert "dataset missing: gs://bkt/nope/gone.tar: object not found" in out.stdout
+    assert "dataset missing: 1 of 2 shards cannot be read" in out.stdout
+    assert out.returncode == 1 and "1 shards cannot be read (listed above)" in out.stderr
+    offline = subprocess.run([SHARDD, "check", "--no-store", "--config", str(good)], capture_output=True, text=True)
+    assert offline.returncode == 0, offline.stderr
 
     for body, message in [
         (gcs_config(fake_gcs) + "[server]\nsokcet = \"/x\"\n", "unknown field `sokcet`"),

@@ -169,3 +169,29 @@ def test_socket_activation_uses_the_passed_socket_and_leaves_it(fake_gcs, tmp_pa
     assert not (tmp_path / "shardd.sock").exists(), "bound its own socket as well"
     stop(proc)
     assert path.exists(), "removed the socket systemd owns"
+
+
+def test_sigterm_during_streams_and_downloads(make_daemon, fake_gcs, cutting_proxy, shard_dir):
+    from conftest import BIG_SHARDS, big_payload
+
+    slow = cutting_proxy(rate=20 << 20)  # 8 MB shards: each download takes ~0.4 s
+    d = make_daemon(gcs_config(slow.endpoint, extra="[store]\nmax_downloads = 1\n"))
+    with shardd.Client(d.socket) as c:
+        stream = c.stream("big", epoch=0, rank=0, world_size=1)
+        next(stream)
+        wait_for(lambda: d.metric("shardd_downloads_active") >= 1, "a download in flight")
+        d.proc.terminate()
+        # The stream is told why it ends (it was waiting for data, so no frame was cut).
+        with pytest.raises(shardd.DaemonError) as e:
+            list(stream)
+    assert e.value.code == "shutdown" and str(e.value) == "the daemon is shutting down"
+    assert d.proc.wait(timeout=30) == 0
+    d.proc = None
+    d.log.close()
+    assert not d.socket.exists()
+    # The cache is consistent: a restart (straight to the store) serves everything.
+    d.config.write_text(d.config.read_text().replace(slow.endpoint, fake_gcs))
+    d.start()
+    assert list((d.dir / "cache" / "tmp").iterdir()) == []
+    got = sorted((s["__key__"], s["bin"]) for s in shardd.Client(d.socket).stream("big", epoch=0, rank=0, world_size=1))
+    assert got == [(f"big{i}", big_payload(i)) for i in range(BIG_SHARDS)]
