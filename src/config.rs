@@ -56,6 +56,7 @@ pub struct FileConfig {
 pub struct ServerSection {
     pub socket: PathBuf,
     pub socket_mode: String,
+    pub socket_group: Option<String>,
     pub metrics_addr: String,
     pub max_connections: usize,
     pub handshake_timeout: String,
@@ -67,6 +68,7 @@ impl Default for ServerSection {
         Self {
             socket: "/run/shardd/shardd.sock".into(),
             socket_mode: "0660".into(),
+            socket_group: None,
             metrics_addr: "127.0.0.1:9464".into(),
             max_connections: 1024,
             handshake_timeout: "10s".into(),
@@ -198,6 +200,8 @@ pub enum Patterns {
 pub struct Config {
     pub socket: PathBuf,
     pub socket_mode: u32,
+    /// Group (name or number) the socket file is given, when set.
+    pub socket_group: Option<String>,
     /// `None` when `metrics_addr = ""`: no HTTP listener.
     pub metrics_addr: Option<std::net::SocketAddr>,
     pub max_connections: usize,
@@ -410,6 +414,7 @@ impl FileConfig {
         Ok(Config {
             socket: s.socket,
             socket_mode,
+            socket_group: s.socket_group,
             metrics_addr,
             max_connections: s.max_connections,
             handshake_timeout,
@@ -509,7 +514,11 @@ fn validate_dataset(
 
 /// Credentials must not travel in clear text by mistake: a plain-http endpoint is accepted
 /// only on loopback (an emulator) or when the config says `allow_http = true`.
-fn check_endpoint(endpoint: Option<&str>, allow_http: bool, section: &str) -> Result<(), ConfigError> {
+fn check_endpoint(
+    endpoint: Option<&str>,
+    allow_http: bool,
+    section: &str,
+) -> Result<(), ConfigError> {
     let Some(endpoint) = endpoint else {
         return Ok(());
     };

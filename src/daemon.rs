@@ -64,15 +64,22 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         None => None,
     };
     // A socket systemd passed (socket activation) is systemd's: used, never removed.
-    let (listener, owned) = match crate::systemd::activated_listener() {
+    let (listener, guard) = match crate::systemd::activated_listener() {
         Ok(Some(l)) => (
             UnixListener::from_std(l).map_err(|source| StartError::Socket {
                 path: config.socket.clone(),
                 source,
             })?,
-            false,
+            None,
         ),
-        Ok(None) => (bind_socket(&config.socket, config.socket_mode)?, true),
+        Ok(None) => {
+            let (listener, guard) = bind_socket(
+                &config.socket,
+                config.socket_mode,
+                config.socket_group.as_deref(),
+            )?;
+            (listener, Some(guard))
+        }
         Err(source) => {
             return Err(StartError::Socket {
                 path: config.socket.clone(),
@@ -80,10 +87,9 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
             });
         }
     };
-    let socket = config.socket.clone();
     tracing::info!(
         socket = ?listener.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf)),
-        activated = !owned,
+        activated = guard.is_none(),
         metrics = ?config.metrics_addr,
         datasets = config.datasets.len(),
         host = config.host.index,
@@ -137,8 +143,8 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
     if let Some(t) = http_task {
         let _ = t.await;
     }
-    if owned {
-        let _ = std::fs::remove_file(&socket);
+    if let Some(guard) = guard {
+        guard.remove();
     }
     tracing::info!("stopped");
     Ok(())
@@ -215,15 +221,58 @@ async fn warm_at_start(config: Config, cache: Cache) {
     }
 }
 
-/// Binds the Unix socket with the configured mode. A stale socket file from a crashed run is
-/// replaced; a live one (another daemon answers on it) is an error.
-pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
+/// The daemon's hold on its socket path, from [`bind_socket`].
+pub struct SocketGuard {
+    path: PathBuf,
+    /// (device, inode) of the socket file we made: removed on the way out only if the path
+    /// still names it.
+    made: (u64, u64),
+    /// `<socket>.lock`, flocked for as long as we serve on the path.
+    _lock: std::fs::File,
+}
+
+impl SocketGuard {
+    /// Removes the socket file if it is still ours.
+    pub fn remove(self) {
+        use std::os::unix::fs::MetadataExt;
+        if let Ok(m) = std::fs::symlink_metadata(&self.path)
+            && (m.dev(), m.ino()) == self.made
+        {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Binds the Unix socket with the configured mode (and group) from the first moment: it is
+/// made under a temporary name, given its mode, then renamed into place. A lock file beside
+/// it decides which of two daemons starting at once on one path serves it; a stale socket
+/// file from a crashed run is replaced, a live one is an error.
+pub fn bind_socket(
+    path: &Path,
+    mode: u32,
+    group: Option<&str>,
+) -> Result<(UnixListener, SocketGuard), StartError> {
+    use std::os::unix::fs::MetadataExt;
     let err = |source| StartError::Socket {
         path: path.to_path_buf(),
         source,
     };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(err)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let mut lock_path = path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(err)?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(StartError::InUse { path: path.into() });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(err(e)),
     }
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -231,9 +280,48 @@ pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener, StartError> {
         }
         std::fs::remove_file(path).map_err(err)?;
     }
-    let listener = UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
-    Ok(listener)
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&temp);
+    let listener = std::os::unix::net::UnixListener::bind(&temp).map_err(err)?;
+    let placed = (|| {
+        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode))?;
+        if let Some(group) = group {
+            std::os::unix::fs::chown(&temp, None, Some(group_id(group)?))?;
+        }
+        std::fs::rename(&temp, path)
+    })();
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&temp);
+        return Err(err(e));
+    }
+    let m = std::fs::symlink_metadata(path).map_err(err)?;
+    listener.set_nonblocking(true).map_err(err)?;
+    let guard = SocketGuard {
+        path: path.to_path_buf(),
+        made: (m.dev(), m.ino()),
+        _lock: lock,
+    };
+    Ok((UnixListener::from_std(listener).map_err(err)?, guard))
+}
+
+/// A group given by number or by name (looked up in /etc/group).
+fn group_id(group: &str) -> std::io::Result<u32> {
+    if let Ok(gid) = group.parse() {
+        return Ok(gid);
+    }
+    std::fs::read_to_string("/etc/group")?
+        .lines()
+        .find_map(|line| {
+            let mut fields = line.split(':');
+            (fields.next() == Some(group))
+                .then(|| fields.nth(1).and_then(|gid| gid.parse().ok()))
+                .flatten()
+        })
+        .ok_or_else(|| std::io::Error::other(format!("no group {group:?} in /etc/group")))
 }
 
 /// Each stream holds a socket, a pipe and shard files: lift the soft limit on open files to

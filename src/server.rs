@@ -109,8 +109,10 @@ async fn handle(
     let metrics = &daemon.streams.metrics;
     let _active = Active::new(&metrics.connections_active);
     set_send_buffer(&socket, SEND_BUFFER);
+    // Who is on the other end, for the stream's log lines.
+    let peer = socket.peer_cred().ok();
     let (mut rd, mut wr) = socket.into_split();
-    let outcome = serve(&mut rd, &mut wr, &daemon, &shutdown).await;
+    let outcome = serve(&mut rd, &mut wr, &daemon, &shutdown, peer).await;
     if let Err(r) = outcome {
         let frame = protocol::json_frame(
             Kind::Error,
@@ -142,6 +144,7 @@ async fn serve(
     wr: &mut tokio::net::unix::OwnedWriteHalf,
     daemon: &Daemon,
     shutdown: &CancellationToken,
+    peer: Option<tokio::net::unix::UCred>,
 ) -> Result<(), Refusal> {
     let config = &daemon.config;
     let req = match tokio::time::timeout(config.handshake_timeout, handshake(rd, wr)).await {
@@ -221,6 +224,8 @@ async fn serve(
         rank = req.rank,
         worker = req.worker,
         shards = plan.pieces.len(),
+        peer_pid = peer.and_then(|p| p.pid()),
+        peer_uid = peer.map(|p| p.uid()),
     );
     let start = Start {
         dataset: dataset.name.clone(),

@@ -195,3 +195,34 @@ def test_sigterm_during_streams_and_downloads(make_daemon, fake_gcs, cutting_pro
     assert list((d.dir / "cache" / "tmp").iterdir()) == []
     got = sorted((s["__key__"], s["bin"]) for s in shardd.Client(d.socket).stream("big", epoch=0, rank=0, world_size=1))
     assert got == [(f"big{i}", big_payload(i)) for i in range(BIG_SHARDS)]
+
+
+def test_socket_mode_and_group_from_the_start_and_one_winner(fake_gcs, tmp_path):
+    import stat
+
+    gid = os.getgid()
+    body = gcs_config(fake_gcs)
+    configs = []
+    for name in ("a", "b"):
+        c = tmp_path / f"{name}.toml"
+        c.write_text(
+            f'[server]\nsocket = "{tmp_path}/shared.sock"\nmetrics_addr = ""\nsocket_mode = "0640"\n'
+            f'socket_group = "{gid}"\n[cache]\ndir = "{tmp_path}/cache-{name}"\n' + body
+        )
+        configs.append(c)
+    # Two daemons started at once on one socket path: exactly one serves it.
+    procs = [serve(c, no_host_env()) for c in configs]
+    wait_for(lambda: any(p.poll() is not None for p in procs), "one of them to give up")
+    loser = next(p for p in procs if p.poll() is not None)
+    winner = next(p for p in procs if p is not loser)
+    out, _ = loser.communicate()
+    assert loser.returncode == 1 and f"another shardd is already serving on {tmp_path}/shared.sock" in out, out
+    st = (tmp_path / "shared.sock").stat()
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == gid
+    with shardd.Client(tmp_path / "shared.sock") as c:
+        assert len(list(c.stream("train", epoch=0, rank=0, world_size=1))) > 100
+    # A path that no longer names our socket is not removed on the way out.
+    (tmp_path / "shared.sock").unlink()
+    (tmp_path / "shared.sock").write_text("someone else's")
+    stop(winner)
+    assert (tmp_path / "shared.sock").read_text() == "someone else's"
