@@ -217,13 +217,19 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
             }
         }
         if let Some((size, shard)) = largest {
-            println!("dataset {name}: {bytes} bytes in the store; the largest shard is {shard} ({size} bytes)");
+            println!(
+                "dataset {name}: {bytes} bytes in the store; the largest shard is {shard} ({size} bytes)"
+            );
         }
         for m in missing.iter().take(10) {
             println!("dataset {name}: {m}");
         }
         if !missing.is_empty() {
-            println!("dataset {name}: {} of {} shards cannot be read", missing.len(), d.shards.len());
+            println!(
+                "dataset {name}: {} of {} shards cannot be read",
+                missing.len(),
+                d.shards.len()
+            );
         }
         missing_in_all += missing.len();
     }
