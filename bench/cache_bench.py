@@ -243,11 +243,11 @@ class Daemon:
         return http_ok(f"http://127.0.0.1:{self.metrics_port}/readyz") and self.socket.exists()
 
     def metric(self, name):
-        """One unlabelled sample from the daemon's /metrics."""
+        """The first series of a metric from the daemon's /metrics (the bench serves one dataset)."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
             for line in r.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
+                if line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.split()[-1])  # the first series (one dataset here)
         raise KeyError(name)
 
     def log_tail(self, lines=20):

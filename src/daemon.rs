@@ -48,6 +48,9 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
     let notifier = crate::systemd::Notifier::from_env();
     crate::host::resolve(&mut config).await?;
     let metrics = Arc::new(Metrics::new());
+    for name in config.datasets.keys() {
+        metrics.init_dataset(name);
+    }
     raise_fd_limit();
     let plans = Arc::new(Plans::default());
     let cache = open_cache(&config, metrics.clone(), plans.clone()).await?;

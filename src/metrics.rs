@@ -9,12 +9,27 @@ pub struct Metrics {
     pub connections_total: IntCounter,
     pub connections_rejected_total: IntCounter,
     pub streams_active: IntGauge,
-    /// Ended streams by outcome: completed, failed, cancelled (client left or shutdown).
+    /// Ended streams by dataset and outcome: completed, failed, cancelled (client left or
+    /// shutdown).
     pub streams_total: IntCounterVec,
-    pub samples_sent_total: IntCounter,
-    pub bytes_sent_total: IntCounter,
-    /// Time streams spent waiting for shard data with nothing to send: starvation.
-    pub stream_wait_seconds_total: prometheus::Counter,
+    /// Per dataset.
+    pub samples_sent_total: IntCounterVec,
+    pub bytes_sent_total: IntCounterVec,
+    /// Per dataset: time streams waited for shard data with nothing to send (the trainer
+    /// starves)...
+    pub stream_wait_seconds_total: prometheus::CounterVec,
+    /// ...and time they waited for the client to take what was ready (the trainer is the
+    /// bottleneck). Their ratio to wall time is the stall fraction, both ways.
+    pub client_wait_seconds_total: prometheus::CounterVec,
+    /// Per dataset: from a stream's request to its first sample sent.
+    pub first_sample_seconds: prometheus::HistogramVec,
+    /// Object-store request latency (to the response head), by kind.
+    pub store_request_seconds: prometheus::HistogramVec,
+    /// `version` label: the build that is running.
+    pub build_info: prometheus::IntGaugeVec,
+    pub process_cpu_seconds_total: prometheus::Counter,
+    pub process_resident_memory_bytes: IntGauge,
+    pub process_open_fds: IntGauge,
     pub shard_fetches_total: IntCounter,
     pub shard_fetch_errors_total: IntCounter,
     pub shard_fetch_bytes_total: IntCounter,
@@ -75,24 +90,63 @@ impl Metrics {
                 "Connections refused because server.max_connections were open.",
             ),
             streams_active: gauge("streams_active", "Sample streams being served."),
-            streams_total: reg(
-                &registry,
-                IntCounterVec::new(
-                    Opts::new("streams_total", "Streams ended, by outcome."),
-                    &["outcome"],
-                )
-                .unwrap(),
-            ),
-            samples_sent_total: counter("samples_sent_total", "Samples sent to clients."),
-            bytes_sent_total: counter("bytes_sent_total", "Sample payload bytes (keys and fields) sent to clients."),
+            streams_total: counters(&registry, "streams_total", "Streams ended, by dataset and outcome.", &["dataset", "outcome"]),
+            samples_sent_total: counters(&registry, "samples_sent_total", "Samples sent to clients, by dataset.", &["dataset"]),
+            bytes_sent_total: counters(&registry, "bytes_sent_total", "Sample payload bytes (keys and fields) sent to clients, by dataset.", &["dataset"]),
             stream_wait_seconds_total: reg(
                 &registry,
-                prometheus::Counter::new(
-                    "stream_wait_seconds_total",
-                    "Time streams spent waiting for shard data (downloads, parsing) with nothing to send.",
+                prometheus::CounterVec::new(
+                    Opts::new(
+                        "stream_wait_seconds_total",
+                        "Time streams waited for shard data (downloads, parsing) with nothing to send: the trainer starves.",
+                    ),
+                    &["dataset"],
                 )
                 .unwrap(),
             ),
+            client_wait_seconds_total: reg(
+                &registry,
+                prometheus::CounterVec::new(
+                    Opts::new(
+                        "client_wait_seconds_total",
+                        "Time streams waited for the client to take data that was ready: the trainer is the bottleneck.",
+                    ),
+                    &["dataset"],
+                )
+                .unwrap(),
+            ),
+            first_sample_seconds: reg(
+                &registry,
+                prometheus::HistogramVec::new(
+                    HistogramOpts::new("first_sample_seconds", "From a stream's request to its first sample sent.")
+                        .buckets(prometheus::exponential_buckets(0.001, 4.0, 10).unwrap()),
+                    &["dataset"],
+                )
+                .unwrap(),
+            ),
+            store_request_seconds: reg(
+                &registry,
+                prometheus::HistogramVec::new(
+                    HistogramOpts::new("store_request_seconds", "Object-store request latency to the response head, by kind.")
+                        .buckets(prometheus::exponential_buckets(0.001, 4.0, 10).unwrap()),
+                    &["kind"],
+                )
+                .unwrap(),
+            ),
+            build_info: reg(
+                &registry,
+                prometheus::IntGaugeVec::new(
+                    Opts::new("build_info", "1, labelled with the running build's version."),
+                    &["version"],
+                )
+                .unwrap(),
+            ),
+            process_cpu_seconds_total: reg(
+                &registry,
+                prometheus::Counter::new("process_cpu_seconds_total", "User and system CPU time the daemon has used.").unwrap(),
+            ),
+            process_resident_memory_bytes: gauge("process_resident_memory_bytes", "Resident memory of the daemon."),
+            process_open_fds: gauge("process_open_fds", "Open file descriptors of the daemon."),
             shard_fetches_total: counter("shard_fetches_total", "Shards fetched (downloaded or mapped) successfully."),
             shard_fetch_errors_total: counter("shard_fetch_errors_total", "Shard fetches that failed."),
             shard_fetch_bytes_total: counter("shard_fetch_bytes_total", "Bytes of shards fetched."),
@@ -137,24 +191,71 @@ impl Metrics {
     }
 
     /// Series that exist from the start (a dashboard's rate() needs the zero).
+    pub fn init_dataset(&self, dataset: &str) {
+        for outcome in ["completed", "failed", "cancelled"] {
+            self.streams_total.with_label_values(&[dataset, outcome]);
+        }
+        self.samples_sent_total.with_label_values(&[dataset]);
+        self.bytes_sent_total.with_label_values(&[dataset]);
+        self.stream_wait_seconds_total.with_label_values(&[dataset]);
+        self.client_wait_seconds_total.with_label_values(&[dataset]);
+    }
+
     fn init_labels(&self) {
+        self.build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
         for kind in ["head", "get"] {
             self.store_requests_total.with_label_values(&[kind]);
         }
         for kind in ["not_found", "changed", "other"] {
             self.store_errors_total.with_label_values(&[kind]);
         }
-        for outcome in ["completed", "failed", "cancelled"] {
-            self.streams_total.with_label_values(&[outcome]);
-        }
     }
 
     /// The text exposition format, for `/metrics`.
     pub fn render(&self) -> String {
+        self.read_process();
         prometheus::TextEncoder::new()
             .encode_to_string(&self.registry.gather())
             .expect("text encoding cannot fail")
     }
+}
+
+impl Metrics {
+    /// Process figures from /proc/self, read at scrape time.
+    fn read_process(&self) {
+        if let Ok(stat) = std::fs::read_to_string("/proc/self/stat")
+            && let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r)
+        {
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            // After the command: state is field 3, utime 14, stime 15, rss 24 (1-based).
+            let at = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+            let ticks = rustix::param::clock_ticks_per_second() as f64;
+            if let (Some(u), Some(s)) = (at(14), at(15)) {
+                // A counter, brought up to what the kernel says.
+                let now = (u + s) as f64 / ticks;
+                let seen = self.process_cpu_seconds_total.get();
+                self.process_cpu_seconds_total.inc_by((now - seen).max(0.0));
+            }
+            if let Some(pages) = at(24) {
+                let page = rustix::param::page_size() as i64;
+                self.process_resident_memory_bytes.set(pages as i64 * page);
+            }
+        }
+        if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+            self.process_open_fds.set(fds.count() as i64);
+        }
+    }
+}
+
+/// A labelled counter family, registered.
+fn counters(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).unwrap();
+    registry
+        .register(Box::new(c.clone()))
+        .expect("metric names are unique");
+    c
 }
 
 impl Default for Metrics {

@@ -248,7 +248,7 @@ async fn serve(
         r = stream::pump(&daemon.streams, dataset, plan, req.start, schedule, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
         _ = client_gone(rd) => None,
         _ = shutdown.cancelled() => {
-            metrics.streams_total.with_label_values(&["cancelled"]).inc();
+            metrics.streams_total.with_label_values(&[&dataset.name, "cancelled"]).inc();
             // A frame cut off mid-way cannot be followed by an ERROR frame: just close.
             return match sink.torn() {
                 true => Ok(()),
@@ -261,7 +261,7 @@ async fn serve(
         Some(Ok(end)) => {
             metrics
                 .streams_total
-                .with_label_values(&["completed"])
+                .with_label_values(&[&dataset.name, "completed"])
                 .inc();
             // The per-epoch summary an operator reads: this stream, and the cache so far.
             tracing::info!(
@@ -282,20 +282,26 @@ async fn serve(
         None | Some(Err(StreamError::Client(_))) => {
             metrics
                 .streams_total
-                .with_label_values(&["cancelled"])
+                .with_label_values(&[&dataset.name, "cancelled"])
                 .inc();
             tracing::debug!(parent: &span, "client left mid-stream");
             Ok(())
         }
         Some(Err(StreamError::Stalled(after))) => {
-            metrics.streams_total.with_label_values(&["failed"]).inc();
+            metrics
+                .streams_total
+                .with_label_values(&[&dataset.name, "failed"])
+                .inc();
             metrics.streams_stalled_total.inc();
             tracing::warn!(parent: &span, ?after, "client stopped reading; stream ended, its shards released");
             // A frame may be cut off mid-way: nothing more can be said on this socket.
             Ok(())
         }
         Some(Err(e)) => {
-            metrics.streams_total.with_label_values(&["failed"]).inc();
+            metrics
+                .streams_total
+                .with_label_values(&[&dataset.name, "failed"])
+                .inc();
             tracing::warn!(parent: &span, error = %e, "stream failed");
             let code = match &e {
                 StreamError::Fetch(f) if matches!(f.root(), FetchError::CacheFull { .. }) => {

@@ -197,15 +197,15 @@ impl Stores {
             return blocking(shard, move || local_version(&file, &url)).await;
         };
         self.count("head", 0);
-        store
-            .head(path)
-            .await
-            .map(|meta| Version {
-                size: meta.size,
-                e_tag: meta.e_tag,
-                generation: meta.version,
-            })
-            .map_err(|e| self.store_error(shard, e))
+        let asked = Instant::now();
+        let head = store.head(path).await;
+        self.observe("head", asked);
+        head.map(|meta| Version {
+            size: meta.size,
+            e_tag: meta.e_tag,
+            generation: meta.version,
+        })
+        .map_err(|e| self.store_error(shard, e))
     }
 
     /// A small object's (or local file's) whole content: a manifest.
@@ -340,10 +340,10 @@ impl Stores {
             ..Default::default()
         };
         self.count("get", 0);
-        let got = store
-            .get_opts(path, options)
-            .await
-            .map_err(|e| self.store_error(shard, e))?;
+        let asked = Instant::now();
+        let got = store.get_opts(path, options).await;
+        self.observe("get", asked);
+        let got = got.map_err(|e| self.store_error(shard, e))?;
         let mut body = got.into_stream();
         let mut at = range.start;
         while let Some(chunk) = body.next().await {
@@ -366,6 +366,13 @@ impl Stores {
             });
         }
         Ok(())
+    }
+
+    fn observe(&self, kind: &str, asked: Instant) {
+        self.metrics
+            .store_request_seconds
+            .with_label_values(&[kind])
+            .observe(asked.elapsed().as_secs_f64());
     }
 
     fn count(&self, request: &str, bytes: u64) {

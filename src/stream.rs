@@ -96,13 +96,23 @@ pub async fn pump(
         samples: 0,
         bytes: 0,
     };
+    let opened = Instant::now();
+    let name = [dataset.name.as_str()];
+    let starving = ctx
+        .metrics
+        .stream_wait_seconds_total
+        .with_label_values(&name);
+    let waiting_on_client = ctx
+        .metrics
+        .client_wait_seconds_total
+        .with_label_values(&name);
+    let samples_sent = ctx.metrics.samples_sent_total.with_label_values(&name);
+    let bytes_sent = ctx.metrics.bytes_sent_total.with_label_values(&name);
     loop {
         while order.wants_more() {
             let waited = Instant::now();
             let next = reader.next().await;
-            ctx.metrics
-                .stream_wait_seconds_total
-                .inc_by(waited.elapsed().as_secs_f64());
+            starving.inc_by(waited.elapsed().as_secs_f64());
             order.push(next?);
         }
         let Some(mut window) = order.next_window() else {
@@ -110,6 +120,7 @@ pub async fn pump(
         };
         while !window.is_empty() {
             let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
+            let sending = Instant::now();
             let send = tokio::time::timeout(ctx.stall_timeout, sink.send(sock, &parts));
             let mut send = std::pin::pin!(send);
             // While the client takes this batch, load the next window's shards, so that a
@@ -124,14 +135,22 @@ pub async fn pump(
                     shard = reader.next() => order.push(shard?),
                 }
             };
+            // Time in the send is time the client had data waiting (the socket was full).
+            waiting_on_client.inc_by(sending.elapsed().as_secs_f64());
             sent_result
                 .map_err(|_| StreamError::Stalled(ctx.stall_timeout))?
                 .map_err(StreamError::Client)?;
+            if end.samples == 0 {
+                ctx.metrics
+                    .first_sample_seconds
+                    .with_label_values(&name)
+                    .observe(opened.elapsed().as_secs_f64());
+            }
             let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
             end.samples += sent.len() as u64;
             end.bytes += bytes;
-            ctx.metrics.samples_sent_total.inc_by(sent.len() as u64);
-            ctx.metrics.bytes_sent_total.inc_by(bytes);
+            samples_sent.inc_by(sent.len() as u64);
+            bytes_sent.inc_by(bytes);
         }
     }
 }

@@ -246,10 +246,16 @@ class Daemon:
             return r.read().decode()
 
     def metric(self, name):
-        for line in self.metrics().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        """One series (``name`` with its labels, as exported), or the sum of a family's series
+        (``name`` alone: e.g. every dataset's)."""
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in self.metrics().splitlines()
+            if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{"))
+        ]
+        if not values:
+            raise KeyError(name)
+        return sum(values)
 
     def stop(self, sig=signal.SIGTERM):
         """SIGTERM (or another signal); the daemon must exit 0 and remove its socket."""

@@ -188,7 +188,7 @@ def test_client_vanishing_mid_stream(daemon):
         next(stream)
         stream.close()
     wait_for(lambda: daemon.metric("shardd_streams_active") == 0, "the stream to end")
-    assert daemon.metric('shardd_streams_total{outcome="cancelled"}') >= 1
+    assert daemon.metric('shardd_streams_total{dataset="train",outcome="cancelled"}') >= 1
     still_serves(daemon)
 
 

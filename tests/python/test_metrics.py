@@ -17,9 +17,19 @@ def test_metrics_pass_promtool_and_count_what_was_served(make_daemon, fake_gcs, 
     text = d.metrics()
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0 and check.stdout == "" and check.stderr == "", check.stdout + check.stderr
-    assert d.metric("shardd_samples_sent_total") == len(samples)
+    assert d.metric('shardd_samples_sent_total{dataset="train"}') == len(samples)
+    assert d.metric('shardd_samples_sent_total{dataset="mixed"}') == 0
+    assert d.metric('shardd_bytes_sent_total{dataset="train"}') == sum(
+        len(s["__key__"]) + sum(len(v) for k, v in s.items() if not k.startswith("__")) for s in samples
+    )
+    assert d.metric('shardd_first_sample_seconds_count{dataset="train"}') == 1
+    assert d.metric("shardd_stream_wait_seconds_total") > 0  # the first shards had to come
+    assert d.metric('shardd_build_info{version="0.1.0"}') == 1
+    assert d.metric("shardd_process_open_fds") > 5
+    assert d.metric("shardd_process_resident_memory_bytes") > 1 << 20
+    assert d.metric('shardd_store_request_seconds_count{kind="get"}') == 12
     assert d.metric("shardd_shard_fetches_total") == 12
-    assert d.metric('shardd_streams_total{outcome="completed"}') == 1
+    assert d.metric('shardd_streams_total{dataset="train",outcome="completed"}') == 1
     # Every shard stays cached (with its 8 KiB record allowance), none is pinned any more.
     shard_bytes = sum(p.stat().st_size for p in train_paths)
     wait_for(lambda: d.metric("shardd_downloads_active") == 0, "prefetches to end")
