@@ -99,8 +99,15 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         hosts = config.host.count,
         "serving"
     );
-    let http_task =
-        http.map(|l| tokio::spawn(crate::http::serve(l, metrics.clone(), shutdown.clone())));
+    let board = crate::status::Board::new(Arc::new(config.clone()), cache.clone());
+    let http_task = http.map(|l| {
+        tokio::spawn(crate::http::serve(
+            l,
+            metrics.clone(),
+            board.clone(),
+            shutdown.clone(),
+        ))
+    });
     let prefetcher = tokio::spawn(prefetch::run(
         plans.clone(),
         cache.clone(),
@@ -134,6 +141,7 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
             metrics,
             stall_timeout: config.stall_timeout,
         },
+        board,
         config,
     });
     server::run(listener, daemon, shutdown).await;

@@ -21,7 +21,7 @@
 //! | sink | `sink.rs` | writes frames; shard pages go to the socket by reference (splice) |
 //! | server | `server.rs` | Unix socket: accept, handshake, one stream per connection |
 //! | client | `client.rs` | Rust client (used by `cat`, `demo`, tests) |
-//! | metrics, http | `metrics.rs`, `http.rs` | Prometheus registry; `/metrics`, `/healthz`, `/readyz` |
+//! | metrics, http, status | `metrics.rs`, `http.rs`, `status.rs` | Prometheus registry; `/metrics`, `/healthz`, `/readyz`, `/status` |
 //! | host | `host.rs` | `host.index`/`host.count = "auto"`: environment, then the TPU VM metadata server |
 //! | systemd | `systemd.rs` | `Type=notify` readiness, watchdog, socket activation |
 //! | daemon | `daemon.rs` | wires the boxes together, binds, shuts down |
@@ -46,6 +46,7 @@ pub mod server;
 pub mod shard;
 pub mod shuffle;
 pub mod sink;
+pub mod status;
 pub mod store;
 pub mod stream;
 pub mod systemd;

@@ -87,6 +87,12 @@ enum Command {
     },
     /// Serve a synthetic dataset through the whole daemon, read and verify one epoch.
     Demo,
+    /// Print what a running daemon is doing (its /status) as a table.
+    Status {
+        /// The daemon's HTTP address (server.metrics_addr).
+        #[arg(long, default_value = "http://127.0.0.1:9464")]
+        url: String,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -151,6 +157,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             runtime.block_on(cat(socket, req, limit))
         }
         Command::Demo => runtime.block_on(shardd::demo::run()),
+        Command::Status { url } => runtime.block_on(status(&url)),
     }
 }
 
@@ -235,6 +242,70 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
     }
     if missing_in_all > 0 {
         anyhow::bail!("{missing_in_all} shards cannot be read (listed above)");
+    }
+    Ok(())
+}
+
+async fn status(url: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let url = format!("{}/status", url.trim_end_matches('/'));
+    let s: shardd::status::Status = reqwest::get(&url)
+        .await
+        .and_then(|r| r.error_for_status())
+        .with_context(|| format!("asking {url}"))?
+        .json()
+        .await
+        .with_context(|| format!("reading {url}"))?;
+    let mb = |b: u64| b as f64 / 1e6;
+    println!(
+        "shardd {}, host {} of {}, up {:.0}s",
+        s.version, s.host_index, s.host_count, s.uptime_seconds
+    );
+    for d in &s.datasets {
+        let samples = d
+            .samples
+            .map(|n| format!(", {n} samples"))
+            .unwrap_or_default();
+        println!("dataset {}: {} shards{samples}", d.name, d.shards);
+    }
+    let c = &s.cache;
+    println!(
+        "cache: {:.1} MB of {:.1} MB ({:.1} MB resident, {:.1} MB pinned), {} entries, {} loading",
+        mb(c.charged_bytes),
+        mb(c.max_bytes),
+        mb(c.resident_bytes),
+        mb(c.pinned_bytes),
+        c.entries,
+        c.loading
+    );
+    println!(
+        "{:<16} {:>6} {:>5} {:>6} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6}",
+        "DATASET",
+        "EPOCH",
+        "RANK",
+        "WORKER",
+        "POSITION",
+        "SAMPLES/S",
+        "MB/S",
+        "WAITING",
+        "PID",
+        "UID"
+    );
+    for t in &s.streams {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        println!(
+            "{:<16} {:>6} {:>5} {:>6} {:>10} {:>10.1} {:>8.1} {:>8} {:>8} {:>6}",
+            t.dataset,
+            t.epoch,
+            t.rank,
+            t.worker,
+            t.position,
+            t.samples_per_second,
+            t.bytes_per_second / 1e6,
+            t.waiting_on,
+            opt(t.peer_pid.map(|p| p.to_string())),
+            opt(t.peer_uid.map(|u| u.to_string()))
+        );
     }
     Ok(())
 }

@@ -33,6 +33,8 @@ const ERROR_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct Daemon {
     pub config: Config,
     pub streams: StreamContext,
+    /// Open streams, for `/status`.
+    pub board: Arc<crate::status::Board>,
 }
 
 pub async fn run(listener: UnixListener, daemon: Arc<Daemon>, shutdown: CancellationToken) {
@@ -243,12 +245,46 @@ async fn serve(
 
     let metrics = &daemon.streams.metrics;
     let active = Active::new(&metrics.streams_active);
+    let registered = daemon.board.register(
+        &dataset.name,
+        req.epoch,
+        req.rank,
+        req.worker,
+        req.start,
+        peer,
+    );
     let mut sink = Sink::new();
-    let result = tokio::select! {
-        r = stream::pump(&daemon.streams, dataset, plan, req.start, schedule, wr.as_ref(), &mut sink).instrument(span.clone()) => Some(r),
+    let job = stream::Job {
+        dataset,
+        plan,
+        start: req.start,
+        schedule,
+        live: &registered.live,
+        shutdown,
+    };
+    let mut pump = Box::pin(
+        stream::pump(&daemon.streams, job, wr.as_ref(), &mut sink).instrument(span.clone()),
+    );
+    // `None`: the client left. `Some(None)`: shut down before the stream ended.
+    let ended = tokio::select! {
+        r = &mut pump => Some(Some(r)),
         _ = client_gone(rd) => None,
-        _ = shutdown.cancelled() => {
-            metrics.streams_total.with_label_values(&[&dataset.name, "cancelled"]).inc();
+        // The stream stops at its next frame boundary (it watches the token too), so the
+        // client can be told why; one that does not take its frame in time is closed.
+        _ = shutdown.cancelled() => Some(tokio::time::timeout(ERROR_WRITE_TIMEOUT, &mut pump)
+            .await
+            .ok()
+            .filter(|r| r.is_ok())),
+    };
+    drop(pump);
+    let result = match ended {
+        None => None,
+        Some(Some(r)) => Some(r),
+        Some(None) => {
+            metrics
+                .streams_total
+                .with_label_values(&[&dataset.name, "cancelled"])
+                .inc();
             // A frame cut off mid-way cannot be followed by an ERROR frame: just close.
             return match sink.torn() {
                 true => Ok(()),

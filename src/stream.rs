@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::net::UnixStream;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::cache::{Cache, FetchError};
@@ -24,6 +25,7 @@ use crate::protocol::{self, End};
 use crate::shard::{self, Sample, ShardError};
 use crate::shuffle::WindowShuffle;
 use crate::sink::Sink;
+use crate::status::{Live, Waiting};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
@@ -41,10 +43,27 @@ pub enum StreamError {
     Client(std::io::Error),
     #[error("the client accepted no data for server.stall_timeout ({0:?})")]
     Stalled(Duration),
+    /// The daemon is shutting down (the stream stopped at a frame boundary).
+    #[error("the daemon is shutting down")]
+    Shutdown,
     /// The shard does not hold what the manifest says (the daemon checked sizes and ETags
     /// at start; this is a manifest made from other bytes).
     #[error("{0}")]
     Manifest(String),
+}
+
+/// One stream to serve.
+pub struct Job<'a> {
+    pub dataset: &'a Dataset,
+    pub plan: StreamPlan,
+    /// Stream position to start from (samples an earlier connection delivered).
+    pub start: u64,
+    /// The stream's registration with the prefetcher.
+    pub schedule: ScheduleHandle,
+    /// Its entry on the status board.
+    pub live: &'a Live,
+    /// Stops the stream at its next frame boundary.
+    pub shutdown: &'a CancellationToken,
 }
 
 /// What every stream shares.
@@ -55,22 +74,27 @@ pub struct StreamContext {
     pub stall_timeout: Duration,
 }
 
-/// Serves one stream to `sock` through `sink`, from stream position `start` (samples
+/// Serves one stream to `sock` through `sink`, from stream position `job.start` (samples
 /// already delivered by an earlier connection); returns the END summary once every sample is
-/// written. `schedule` is the stream's registration with the prefetcher.
+/// written, or stops at a frame boundary when `job.shutdown` is cancelled.
 ///
 /// A resume reads from the start of the shuffle window that holds `start`: with a manifest
 /// the pieces before it are cut off without reading them; without one, the shards before it
 /// are read and their samples dropped (their counts are not known otherwise).
 pub async fn pump(
     ctx: &StreamContext,
-    dataset: &Dataset,
-    plan: StreamPlan,
-    start: u64,
-    schedule: ScheduleHandle,
+    job: Job<'_>,
     sock: &UnixStream,
     sink: &mut Sink,
 ) -> Result<End, StreamError> {
+    let Job {
+        dataset,
+        plan,
+        start,
+        schedule,
+        live,
+        shutdown,
+    } = job;
     let mut shuffle = WindowShuffle::new(plan.stream_key, dataset.shuffle_buffer);
     let window_start = shuffle.seek(start);
     let (pieces, discard) = match plan.samples {
@@ -111,7 +135,12 @@ pub async fn pump(
     loop {
         while order.wants_more() {
             let waited = Instant::now();
-            let next = reader.next().await;
+            live.waiting(Waiting::Data);
+            let next = tokio::select! {
+                next = reader.next() => next,
+                _ = shutdown.cancelled() => return Err(StreamError::Shutdown),
+            };
+            live.waiting(Waiting::Nothing);
             starving.inc_by(waited.elapsed().as_secs_f64());
             order.push(next?);
         }
@@ -119,8 +148,12 @@ pub async fn pump(
             return Ok(end);
         };
         while !window.is_empty() {
+            if shutdown.is_cancelled() {
+                return Err(StreamError::Shutdown);
+            }
             let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
             let sending = Instant::now();
+            live.waiting(Waiting::Client);
             let send = tokio::time::timeout(ctx.stall_timeout, sink.send(sock, &parts));
             let mut send = std::pin::pin!(send);
             // While the client takes this batch, load the next window's shards, so that a
@@ -136,6 +169,7 @@ pub async fn pump(
                 }
             };
             // Time in the send is time the client had data waiting (the socket was full).
+            live.waiting(Waiting::Nothing);
             waiting_on_client.inc_by(sending.elapsed().as_secs_f64());
             sent_result
                 .map_err(|_| StreamError::Stalled(ctx.stall_timeout))?
@@ -151,6 +185,7 @@ pub async fn pump(
             end.bytes += bytes;
             samples_sent.inc_by(sent.len() as u64);
             bytes_sent.inc_by(bytes);
+            live.sent(sent.len() as u64, bytes);
         }
     }
 }

@@ -201,6 +201,17 @@ struct Entry {
     map: Mutex<Weak<memmap2::Mmap>>,
 }
 
+/// The cache's numbers, for `/status`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Usage {
+    pub max_bytes: u64,
+    pub charged_bytes: u64,
+    pub resident_bytes: u64,
+    pub pinned_bytes: u64,
+    pub entries: usize,
+    pub loading: usize,
+}
+
 /// What [`Cache::ensure`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ensured {
@@ -364,6 +375,27 @@ impl Cache {
     pub fn free_bytes(&self) -> u64 {
         let st = self.inner.state.lock().unwrap();
         self.inner.limits.max_bytes.saturating_sub(st.charged)
+    }
+
+    /// What the cache holds now.
+    pub fn usage(&self) -> Usage {
+        let st = self.inner.state.lock().unwrap();
+        Usage {
+            max_bytes: self.inner.limits.max_bytes,
+            charged_bytes: st.charged,
+            resident_bytes: st.resident,
+            pinned_bytes: st.pinned,
+            entries: st
+                .slots
+                .values()
+                .filter(|s| matches!(s, Slot::Ready(_)))
+                .count(),
+            loading: st
+                .slots
+                .values()
+                .filter(|s| matches!(s, Slot::Loading(_)))
+                .count(),
+        }
     }
 
     /// Moves whenever bytes or pins are released.

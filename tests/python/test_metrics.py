@@ -38,3 +38,45 @@ def test_metrics_pass_promtool_and_count_what_was_served(make_daemon, fake_gcs, 
     assert d.metric("shardd_cache_pinned_bytes") == 0
     assert d.metric('shardd_store_requests_total{kind="get"}') == 12
     assert d.metric("shardd_cache_misses_total") + d.metric("shardd_cache_hits_total") == 12
+
+
+def test_status_shows_open_streams_and_readyz_checks_the_store(make_daemon, fake_gcs, cutting_proxy):
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    from conftest import SHARDD
+
+    proxy = cutting_proxy()
+    d = make_daemon(gcs_config(proxy.endpoint))
+    base = f"http://127.0.0.1:{d.metrics_port}"
+    with shardd.Client(d.socket) as c:
+        stream = c.stream("big", epoch=3, rank=0, world_size=1)
+        next(stream)  # then stop reading: the daemon waits on us
+
+        def waiting_on_client():
+            with urllib.request.urlopen(base + "/status", timeout=5) as r:
+                s = json.loads(r.read())
+            return s if s["streams"] and s["streams"][0]["waiting_on"] == "client" else None
+
+        s = wait_for(waiting_on_client, "the stream to wait on its client")
+        (t,) = s["streams"]
+        assert (t["dataset"], t["epoch"], t["rank"], t["worker"]) == ("big", 3, 0, 0)
+        assert t["position"] >= 1 and t["peer_pid"] == os.getpid() and t["peer_uid"] == os.getuid()
+        assert {x["name"]: x["shards"] for x in s["datasets"]}["train"] == 12
+        assert s["cache"]["pinned_bytes"] > 0 and s["host_count"] == 1
+        table = subprocess.run([SHARDD, "status", "--url", base], capture_output=True, text=True)
+        assert table.returncode == 0, table.stderr
+        row = [line for line in table.stdout.splitlines() if line.startswith("big ")]
+        assert len(row) == 1 and row[0].split()[1:4] == ["3", "0", "0"] and "client" in row[0], table.stdout
+        stream.close()
+    # /readyz asks the store for real: with the store gone, the daemon is not ready.
+    proxy.close()
+    def not_ready():
+        try:
+            urllib.request.urlopen(base + "/readyz", timeout=10)
+            return False
+        except urllib.error.HTTPError as e:
+            return e.code == 503 and b"not ready: dataset " in e.read()
+    wait_for(not_ready, "readyz to notice the store is gone")
