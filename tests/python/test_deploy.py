@@ -50,3 +50,33 @@ def test_tpu_vm_startup_script_is_valid_shell():
     text = script.read_text()
     # One config for every worker of the slice: the host index is found at start.
     assert 'index = "auto"' in text and 'count = "auto"' in text
+
+
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+
+
+def test_alert_rules_check_and_their_unit_tests_pass():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: run scripts/test.sh"
+    for args in (["check", "rules", "shardd-rules.yml"], ["test", "rules", "shardd-rules-test.yml"],
+                 ["check", "config", "scrape.yml"]):
+        out = subprocess.run([promtool, *args], cwd=PROMETHEUS, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dashboard_and_rules_query_only_metrics_the_daemon_exports(make_daemon, fake_gcs):
+    import json
+    import re
+
+    from conftest import gcs_config
+
+    d = make_daemon(gcs_config(fake_gcs))
+    exported = set(re.findall(r"^# TYPE (shardd_\w+)", d.metrics(), re.M))
+    queried = set()
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "shardd.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"shardd_\w+", target["expr"]))
+    queried |= set(re.findall(r"shardd_\w+", (PROMETHEUS / "shardd-rules.yml").read_text()))
+    queried = {re.sub(r"_(bucket|count|sum)$", "", q) for q in queried}
+    assert queried and queried <= exported, sorted(queried - exported)
