@@ -80,3 +80,38 @@ def test_dashboard_and_rules_query_only_metrics_the_daemon_exports(make_daemon, 
     queried |= set(re.findall(r"shardd_\w+", (PROMETHEUS / "shardd-rules.yml").read_text()))
     queried = {re.sub(r"_(bucket|count|sum)$", "", q) for q in queried}
     assert queried and queried <= exported, sorted(queried - exported)
+
+
+def test_gke_manifests_are_well_formed():
+    """No Kubernetes API server or kubectl here: a structural check of what kubectl's
+    client-side dry run would look at, and of what the DaemonSet must carry."""
+    import yaml
+
+    gke = ROOT / "deploy" / "gke"
+    docs = list(yaml.safe_load_all((gke / "daemonset.yaml").read_text()))
+    docs += list(yaml.safe_load_all((gke / "podmonitoring.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"ConfigMap", "DaemonSet", "PodMonitoring"}
+    for d in docs:
+        assert d["apiVersion"] and d["metadata"]["name"] and d["metadata"]["namespace"] == "shardd"
+    ds = kinds["DaemonSet"]["spec"]
+    assert ds["selector"]["matchLabels"] == ds["template"]["metadata"]["labels"]
+    pod = ds["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["nodeSelector"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["socket"]["hostPath"]["path"] == "/run/shardd"
+    # The config in the ConfigMap is a valid shardd config whose socket is in that volume.
+    config = kinds["ConfigMap"]["data"]["config.toml"]
+    out = subprocess.run([SHARDD, "check", "--no-store", "--config", "/dev/stdin"], input=config,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert 'socket = "/run/shardd/shardd.sock"' in config
+    mon = kinds["PodMonitoring"]["spec"]
+    assert mon["selector"]["matchLabels"] == ds["selector"]["matchLabels"]
+    assert mon["endpoints"][0]["port"] == c["ports"][0]["name"]
+    dockerfile = (gke / "Dockerfile").read_text()
+    assert dockerfile.count("FROM ") == 2 and "USER 10001" in dockerfile
