@@ -19,6 +19,16 @@ mod warm;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines for humans (colours only on a terminal), or one JSON object per line (Cloud
+    /// Logging and other collectors).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -113,13 +123,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo => "warn",
         _ => "info",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SHARDD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SHARDD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => logs.json().with_current_span(true).init(),
+        LogFormat::Human => {
+            use std::io::IsTerminal;
+            logs.with_ansi(std::io::stderr().is_terminal()).init()
+        }
+    }
     let runtime = tokio::runtime::Runtime::new()?;
     match cli.command {
         Command::Serve { config } => {

@@ -226,3 +226,21 @@ def test_socket_mode_and_group_from_the_start_and_one_winner(fake_gcs, tmp_path)
     (tmp_path / "shared.sock").write_text("someone else's")
     stop(winner)
     assert (tmp_path / "shared.sock").read_text() == "someone else's"
+
+
+def test_json_logs_carry_the_stream_span(fake_gcs, tmp_path):
+    import json
+
+    config = write_config(tmp_path, gcs_config(fake_gcs))
+    proc = subprocess.Popen([SHARDD, "--log-format", "json", "serve", "--config", str(config)],
+                            env={**no_host_env(), "SHARDD_LOG": "info"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (tmp_path / "shardd.sock").exists(), "the socket")
+    with shardd.Client(tmp_path / "shardd.sock") as c:
+        list(c.stream("train", epoch=4, rank=0, world_size=1))
+    out = stop(proc)
+    lines = [json.loads(line) for line in out.splitlines()]
+    done = [l for l in lines if l["fields"].get("message") == "stream completed"]
+    assert len(done) == 1, out
+    assert done[0]["span"]["dataset"] == "train" and done[0]["span"]["epoch"] == 4
+    assert done[0]["span"]["peer_pid"] == os.getpid()
