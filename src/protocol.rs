@@ -159,10 +159,17 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             format!("frame of {len} bytes is over the limit of {max_len}"),
         ));
     }
-    let mut body = BytesMut::zeroed(len as usize);
-    r.read_exact(&mut body).await?;
-    Ok((header[4], body.freeze()))
+    // Grow the body as its bytes arrive: a header may claim up to 4 GiB that never come.
+    let mut body = Vec::with_capacity((len as usize).min(FIRST_READ));
+    r.take(len as u64).read_to_end(&mut body).await?;
+    if body.len() < len as usize {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok((header[4], Bytes::from(body)))
 }
+
+/// The most `read_frame` allocates before a frame's body has arrived.
+const FIRST_READ: usize = 4 << 20;
 
 /// One piece of an encoded frame, in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -327,9 +334,10 @@ pub fn decode_batch(body: Bytes) -> Result<Vec<ReceivedSample>, String> {
         return Err(short());
     }
     let words: Vec<u32> = (0..n_words).map(|_| b.get_u32_le()).collect();
+    // A sample takes at least two words: counts in the header are no reason to allocate.
+    let mut out = Vec::with_capacity((n as usize).min(words.len() / 2));
     let mut words = words.into_iter();
     let mut next = || words.next().ok_or_else(short);
-    let mut out = Vec::with_capacity(n as usize);
     for _ in 0..n {
         let head = next()?;
         let key_len = next()? as usize;
@@ -341,7 +349,7 @@ pub fn decode_batch(body: Bytes) -> Result<Vec<ReceivedSample>, String> {
             .get((head & 0xffff) as usize)
             .ok_or_else(short)?
             .clone();
-        let mut fields = Vec::with_capacity((head >> 16) as usize);
+        let mut fields = Vec::new();
         for _ in 0..head >> 16 {
             let name = names.get(next()? as usize).ok_or_else(short)?.clone();
             let len = next()? as usize;
