@@ -80,3 +80,37 @@ def test_status_shows_open_streams_and_readyz_checks_the_store(make_daemon, fake
         except urllib.error.HTTPError as e:
             return e.code == 503 and b"not ready: dataset " in e.read()
     wait_for(not_ready, "readyz to notice the store is gone")
+
+
+def test_a_real_prometheus_scrapes_the_daemon(make_daemon, fake_gcs, tmp_path):
+    import json
+    import urllib.parse
+    import urllib.request
+
+    from conftest import Server, free_port
+
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: run scripts/test.sh, which installs Debian's prometheus"
+    d = make_daemon(gcs_config(fake_gcs))
+    with shardd.Client(d.socket) as c:
+        served = len(list(c.stream("train", epoch=0, rank=0, world_size=1)))
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: shardd\n    static_configs: [{{targets: ['127.0.0.1:{d.metrics_port}']}}]\n"
+    )
+    port = free_port()
+    prom = Server("prometheus", [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path}/tsdb",
+                                 f"--web.listen-address=127.0.0.1:{port}"], port, "/-/ready", tmp_path)
+    try:
+        query = urllib.parse.quote('shardd_samples_sent_total{job="shardd",dataset="train"}')
+
+        def result():
+            with urllib.request.urlopen(f"{prom.endpoint}/api/v1/query?query={query}", timeout=5) as r:
+                data = json.loads(r.read())["data"]["result"]
+            return data[0]["value"][1] if data else None
+
+        assert float(wait_for(result, "a scrape")) == served
+    finally:
+        prom.stop()
