@@ -95,12 +95,7 @@ pub async fn pump(
         live,
         shutdown,
     } = job;
-    let mut shuffle = WindowShuffle::new(plan.stream_key, dataset.shuffle_buffer);
-    let window_start = shuffle.seek(start);
-    let (pieces, discard) = match plan.samples {
-        Some(_) => (skip_samples(plan.pieces, window_start), 0),
-        None => (plan.pieces, window_start),
-    };
+    let (pieces, mut order) = resume(plan, dataset.shuffle_buffer, start);
     let mut reader = ShardReader {
         cache: &ctx.cache,
         dataset,
@@ -108,13 +103,6 @@ pub async fn pump(
         current: None,
         next: None,
         schedule,
-    };
-    let mut order = SampleOrder {
-        shuffle,
-        loaded: VecDeque::new(),
-        done: false,
-        discard,
-        skip: (start - window_start) as usize,
     };
     let mut end = End {
         samples: 0,
@@ -188,6 +176,27 @@ pub async fn pump(
             live.sent(sent.len() as u64, bytes);
         }
     }
+}
+
+/// Sets a stream up to start at `start`: the pieces to read from the start of the shuffle
+/// window that holds it (with sample counts, the pieces before it are cut off unread;
+/// without, they are read and their samples dropped), and the sample order that skips what
+/// comes before `start`.
+fn resume(plan: StreamPlan, window: usize, start: u64) -> (Vec<Piece>, SampleOrder) {
+    let mut shuffle = WindowShuffle::new(plan.stream_key, window);
+    let window_start = shuffle.seek(start);
+    let (pieces, discard) = match plan.samples {
+        Some(_) => (skip_samples(plan.pieces, window_start), 0),
+        None => (plan.pieces, window_start),
+    };
+    let order = SampleOrder {
+        shuffle,
+        loaded: VecDeque::new(),
+        done: false,
+        discard,
+        skip: (start - window_start) as usize,
+    };
+    (pieces, order)
 }
 
 /// The stream's sample order, with no I/O: shards' samples go in, in plan order, and come out
@@ -320,19 +329,7 @@ mod tests {
     /// What a stream delivers from `start`, as the pump orders it, with the reader replaced
     /// by samples named after their (shard, index).
     fn deliver(plan: &StreamPlan, counts: &[u64], window: usize, start: u64) -> Vec<String> {
-        let mut shuffle = WindowShuffle::new(plan.stream_key, window);
-        let window_start = shuffle.seek(start);
-        let (pieces, discard) = match plan.samples {
-            Some(_) => (skip_samples(plan.pieces.clone(), window_start), 0),
-            None => (plan.pieces.clone(), window_start),
-        };
-        let mut order = SampleOrder {
-            shuffle,
-            loaded: VecDeque::new(),
-            done: false,
-            discard,
-            skip: (start - window_start) as usize,
-        };
+        let (pieces, mut order) = resume(plan.clone(), window, start);
         let url: Arc<str> = Arc::from("u");
         let mut queue: VecDeque<Piece> = pieces.into();
         let mut out = Vec::new();

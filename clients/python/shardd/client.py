@@ -40,7 +40,10 @@ class DaemonError(Error):
     """An error the daemon reported in an ERROR frame. ``str(e)`` is the daemon's message;
     ``e.code`` is the machine-readable code (see proto/PROTOCOL.md)."""
 
-    def __init__(self, code, message):
+    def __init__(self, code, message=None):
+        # One argument is a message: torch re-raises a worker's exception as ``type(text)``.
+        if message is None:
+            code, message = "", code
         super().__init__(message)
         self.code = code
 

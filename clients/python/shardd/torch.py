@@ -1,0 +1,523 @@
+"""PyTorch integration: a shardd stream as a ``torch.utils.data.IterableDataset``.
+
+``import shardd`` never imports torch; ``import shardd.torch`` does (``pip install
+shardd[torch]``). Everything here is a thin layer over ``shardd.Client.stream``:
+
+- **Workers.** Each DataLoader worker opens its own stream, with ``worker`` and
+  ``num_workers`` taken from ``torch.utils.data.get_worker_info()`` in that worker, so the
+  workers of a rank together read the rank's share exactly once. Nothing is opened before
+  ``__iter__`` runs inside the process that iterates; an iterator inherited across ``fork``
+  refuses to go on (``ForkedStreamError``) and its copy of the socket is closed in the child.
+- **Ranks.** ``rank`` and ``world_size`` default to ``torch.distributed``'s when it is
+  initialised (else 0 and 1). They are read in the trainer's process, before workers exist.
+- **Epochs.** ``set_epoch(e)`` before each epoch, on every rank, as with
+  ``DistributedSampler``. The epoch lives in shared memory, so persistent workers see it too.
+  When ``torch.distributed`` is initialised, ``set_epoch`` checks with one
+  ``all_gather_object`` that every rank asked for the same plan (``PlanMismatch`` if not).
+- **Exact resume.** ``state_dict()`` / ``load_state_dict()`` (the ``Stateful`` protocol that
+  torchdata's ``StatefulDataLoader`` calls in each worker) carry a stream's position; a
+  loaded state reopens the stream with ``start=position``. For the plain DataLoader,
+  ``skip(batches, batch_size)`` resumes after a number of batches (docs/pytorch.md).
+- **Samples** are the client's: webdataset-shaped dicts (``__key__``, ``__url__``, field ->
+  bytes); ``compose(*stages)`` applies webdataset pipeline stages inside the worker.
+"""
+
+import functools
+import os
+import weakref
+
+import torch
+import torch.utils.data
+
+from .client import Client, DaemonError, ProtocolError
+
+__all__ = [
+    "ShardDataset",
+    "PlanMismatch",
+    "ForkedStreamError",
+    "resume_epoch",
+    "DEFAULT_SOCKET",
+]
+
+DEFAULT_SOCKET = "/run/shardd/shardd.sock"
+STATE_VERSION = 1
+
+
+class PlanMismatch(RuntimeError):
+    """The ranks of a job (or a checkpoint and the daemon) disagree on the plan of an epoch:
+    different data, seed, epoch, world size or daemon config. Reading on would hang a
+    synchronous job or repeat and skip samples."""
+
+    def __init__(self, message):  # ``message=``: a DataLoader re-raises it as itself
+        super().__init__(message)
+
+
+class ForkedStreamError(RuntimeError):
+    """A stream iterator opened in one process was used in another after ``fork``."""
+
+    def __init__(self, message):
+        super().__init__(message)
+
+
+# Every live iterator, so that a forked child can disown the ones it inherited.
+_LIVE = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for it in list(_LIVE):
+        it._inherited()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _distributed():
+    """torch.distributed when it is initialised in this process, else None."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def _open_stream(socket_path, timeout, dataset, **kw):
+    """``Client(socket_path).stream(dataset, **kw)``, naming the socket when nothing listens."""
+    try:
+        return Client(socket_path, timeout).stream(dataset, **kw)
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        raise ConnectionError(
+            f"no shardd daemon at {socket_path} ({e.strerror}): start `shardd serve`, or pass "
+            f"ShardDataset(socket=...) or set SHARDD_SOCKET to its server.socket") from e
+
+
+def _worker():
+    """(worker index, worker count) of this process: the DataLoader's, or (0, 1)."""
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class _Cursor:
+    """Where one (rank, worker) stream of one epoch is: what ``state_dict`` reports. Holds the
+    open ``Stream`` only while its iterator lives (``retire`` closes it), so a dataset that
+    remembers its last cursor never keeps a socket open."""
+
+    def __init__(self, fields, start, fingerprint):
+        self.fields = fields  # dataset, seed, rank, world_size, worker, num_workers, epoch
+        self.start = start
+        self.fingerprint = fingerprint
+        self.stream = None
+        self.position = start
+        self.ended = False
+        self.pid = os.getpid()
+
+    def state(self):
+        position = self.stream.position if self.stream is not None else self.position
+        return dict(
+            self.fields,
+            shardd=STATE_VERSION,
+            position=position,
+            fingerprint=self.fingerprint,
+            ended=self.ended,
+        )
+
+    def retire(self):
+        if self.stream is not None:
+            self.position = self.stream.position
+            self.stream.close()
+            self.stream = None
+
+
+def _exhausted():
+    raise StopIteration
+
+
+def _failed(what):
+    raise ProtocolError(f"this stream failed earlier ({what}); resume from state_dict() in a new "
+                        f"iteration")
+
+
+def _refuse(pid):
+    raise ForkedStreamError(
+        f"this shardd stream iterator was created in process {pid} and inherited across fork by "
+        f"process {os.getpid()}: iterate the ShardDataset inside the process that reads it "
+        f"(each DataLoader worker calls iter() on its own copy of the dataset)")
+
+
+class _ShardIterator:
+    """The iterator ``ShardDataset.__iter__`` makes: opens its stream on the first ``next``.
+    It holds no reference to itself (no cycle), so dropping it closes the stream at once."""
+
+    def __init__(self, socket_path, timeout, cursor, past_end_is_empty):
+        self._socket = socket_path
+        self._timeout = timeout
+        self._cursor = cursor
+        self._past_end_is_empty = past_end_is_empty
+        self._next = _exhausted if cursor.ended else None
+        # Closes the stream when the consumer drops the iterator (``break``, a finished
+        # fetcher), even though the dataset keeps the cursor for state_dict().
+        weakref.finalize(self, cursor.retire)
+        _LIVE.add(self)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        nxt = self._next
+        try:
+            if nxt is None:
+                return self._open()
+            return nxt()
+        except StopIteration:
+            self._finish()
+            raise
+        except Exception as e:
+            if nxt is not None:  # the stream closed itself; its position stays exact
+                self._next = functools.partial(_failed, f"{type(e).__name__}: {e}")
+            raise
+
+    def _open(self):
+        c = self._cursor
+        f = c.fields
+        try:
+            stream = _open_stream(
+                self._socket, self._timeout, f["dataset"], epoch=f["epoch"], rank=f["rank"],
+                world_size=f["world_size"], seed=f["seed"], worker=f["worker"],
+                num_workers=f["num_workers"], start=c.start)
+        except DaemonError as e:
+            # A batch count (``skip``) past a stream's last, partial batch: nothing is left.
+            if (self._past_end_is_empty and e.code == "bad_request"
+                    and "past the end" in str(e)):
+                raise StopIteration from None
+            raise
+        if c.fingerprint and stream.fingerprint != c.fingerprint:
+            stream.close()
+            raise PlanMismatch(
+                f"cannot resume epoch {f['epoch']} of dataset {f['dataset']!r} exactly: the "
+                f"state was saved on plan {c.fingerprint}, the daemon now plans "
+                f"{stream.fingerprint} (the shards, manifest, host count or dataset settings "
+                f"changed, or the trainer runs another seed or world size)")
+        if self._past_end_is_empty and f["num_workers"] > 1 and stream.samples is None:
+            stream.close()
+            raise ValueError(
+                f"skip(batches=...) with {f['num_workers']} DataLoader workers needs streams of "
+                f"known, equal length: give dataset {f['dataset']!r} a manifest (`shardd "
+                f"index`), or resume with torchdata's StatefulDataLoader or num_workers=0")
+        c.fingerprint = stream.fingerprint
+        c.stream = stream
+        self._next = stream.__next__
+        return self._next()
+
+    def _finish(self):
+        self._next = _exhausted
+        self._cursor.retire()
+        self._cursor.ended = True
+
+    def _inherited(self):
+        """In a child after fork: close our copy of the socket (the parent's stays open) and
+        refuse to go on: two processes reading one socket would each get part of the bytes."""
+        c = self._cursor
+        if c.stream is not None:
+            c.stream.close()  # this process's file descriptor only
+            c.stream = None
+        self._next = functools.partial(_refuse, c.pid)
+
+    def close(self):
+        """Closes the stream; the iterator then yields nothing more."""
+        self._finish()
+
+
+class ShardDataset(torch.utils.data.IterableDataset):
+    """One rank's share of a shardd dataset for one epoch, as an ``IterableDataset``.
+
+    ``socket``: the daemon's socket (default: ``$SHARDD_SOCKET``, else
+    ``/run/shardd/shardd.sock``). ``rank``/``world_size``: the trainer process among all of the
+    job's processes (default: ``torch.distributed``'s when initialised, else 0 and 1).
+    ``seed``: the run's seed, the same on every rank. ``epoch``: the first epoch
+    (``set_epoch`` changes it). ``timeout``: the socket timeout in seconds (None: block).
+    ``check_plan``: let ``set_epoch`` compare the plan fingerprints of all ranks when
+    ``torch.distributed`` is initialised and the dataset spans its whole world: True (over
+    the default process group), False, or the process group to use (e.g. a gloo group when
+    the default backend cannot gather Python objects).
+
+    Yields webdataset-shaped dicts: ``{"__key__": str, "__url__": str, field: bytes, ...}``.
+    There is no ``__len__``: see ``epoch_length``.
+    """
+
+    def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
+                 timeout=None, check_plan=True):
+        super().__init__()
+        self.dataset = str(dataset)
+        self.socket = str(socket or os.environ.get("SHARDD_SOCKET") or DEFAULT_SOCKET)
+        self.seed = int(seed)
+        self.timeout = timeout
+        self.check_plan = check_plan
+        self._rank = None if rank is None else int(rank)
+        self._world_size = None if world_size is None else int(world_size)
+        self._resolve_topology()
+        # Shared memory: set_epoch in the trainer's process reaches persistent workers (fork:
+        # the same pages; spawn/forkserver: torch.multiprocessing shares the storage).
+        self._epoch = torch.tensor([int(epoch)], dtype=torch.int64).share_memory_()
+        self._stages = []
+        self._resume = None  # a pending state or skip, used by the next __iter__ of its epoch
+        self._cursor = None  # the cursor of this process's latest iterator
+
+    # -- topology and epochs ---------------------------------------------------------------
+
+    def _resolve_topology(self):
+        """Fills rank/world_size from torch.distributed when it is initialised here. Called in
+        the trainer's process (init, set_epoch, pickling for spawned workers, main-process
+        iteration), so spawned workers, where it is not initialised, get the trainer's."""
+        dist = _distributed()
+        if dist is not None:
+            if self._rank is None:
+                self._rank = dist.get_rank()
+            if self._world_size is None:
+                self._world_size = dist.get_world_size()
+
+    @property
+    def rank(self):
+        return 0 if self._rank is None else self._rank
+
+    @property
+    def world_size(self):
+        return 1 if self._world_size is None else self._world_size
+
+    @property
+    def epoch(self):
+        return int(self._epoch[0])
+
+    def set_epoch(self, epoch):
+        """Selects the epoch the next iteration reads (call it on every rank before each
+        epoch, before ``iter(loader)``). When ``torch.distributed`` is initialised, checks
+        that every rank asked for the same plan (a collective: all ranks must call it)."""
+        epoch = int(epoch)
+        self._epoch[0] = epoch
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None
+        if torch.utils.data.get_worker_info() is None:
+            self._resolve_topology()
+            if self.check_plan is not False and self._spans_process_group():
+                self.verify_plan()
+
+    def _group(self):
+        return None if isinstance(self.check_plan, bool) else self.check_plan
+
+    def _spans_process_group(self):
+        dist = _distributed()
+        return dist is not None and self.world_size == dist.get_world_size(self._group()) > 1
+
+    def _probe(self, num_workers=1):
+        """Opens and closes the stream of (this rank, worker 0 of ``num_workers``) for the
+        current epoch: its START tells the stream length and the plan fingerprint."""
+        s = _open_stream(self.socket, self.timeout, self.dataset, epoch=self.epoch,
+                         rank=self.rank, world_size=self.world_size, seed=self.seed, worker=0,
+                         num_workers=max(1, int(num_workers)))
+        s.close()
+        return s
+
+    def verify_plan(self):
+        """Checks, with one ``all_gather_object``, that every rank of the job gets the same
+        plan fingerprint for the current epoch, and that no two processes claim one rank;
+        raises ``PlanMismatch`` naming the ranks with their epochs and seeds if not. A
+        collective: every rank must call it (a rank whose daemon refuses still takes part, so
+        that the others raise too instead of hanging). Returns the fingerprint. ``set_epoch``
+        calls it when torch.distributed is initialised and the dataset spans its world."""
+        epoch = self.epoch
+        try:
+            fingerprint, error = self._probe().fingerprint, None
+        except Exception as e:  # every rank must reach the all-gather
+            fingerprint, error = None, f"{type(e).__name__}: {e}"
+        dist, group = _distributed(), self._group()
+        if dist is None or self.world_size != dist.get_world_size(group):
+            if error:
+                raise PlanMismatch(f"rank {self.rank} could not open its stream: {error}")
+            return fingerprint
+        mine = (self.rank, epoch, self.seed, self.world_size, self.dataset, fingerprint, error)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        failed = [f"rank {e[0]}: {e[6]}" for e in everyone if e[6]]
+        if failed:
+            raise PlanMismatch(f"ranks could not open their streams of epoch {epoch} of dataset "
+                               f"{self.dataset!r}: " + "; ".join(failed))
+        ranks = sorted(e[0] for e in everyone)
+        if ranks != list(range(len(everyone))):
+            raise PlanMismatch(
+                f"the processes of this job claim ranks {ranks} of world_size "
+                f"{len(everyone)}: each must read its own rank (torch.distributed's, or the "
+                f"rank= given to ShardDataset)")
+        if len({e[5] for e in everyone}) != 1:
+            by_plan = {}
+            for rank, ep, seed, world, name, fp, _ in everyone:
+                by_plan.setdefault((fp, ep, seed, world, name), []).append(rank)
+            detail = "; ".join(
+                f"plan {fp} (epoch {ep}, seed {seed}, world_size {world}, dataset {name!r}) on "
+                f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
+                for (fp, ep, seed, world, name), who in sorted(by_plan.items(), key=lambda x: x[1])
+            )
+            raise PlanMismatch(
+                f"the ranks of this job disagree on what epoch {epoch} reads: {detail}. Every "
+                f"rank must call set_epoch with the same epoch and use the same dataset, seed "
+                f"and world_size, and every host's daemon the same shards, manifest and "
+                f"dataset settings")
+        return fingerprint
+
+    def epoch_length(self, num_workers=0, batch_size=None, drop_last=False):
+        """How many samples (or, with ``batch_size``, batches) a DataLoader with
+        ``num_workers`` workers yields on this rank in the current epoch: exact, and the same
+        on every rank, when the dataset has a manifest; None without one. One round trip to
+        the daemon (which is why this is not ``__len__``)."""
+        k = max(1, int(num_workers))
+        n = self._probe(k).samples
+        if n is None:
+            return None
+        if batch_size is None:
+            return k * n
+        per_worker = n // batch_size if drop_last else -(-n // batch_size)
+        return k * per_worker
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def compose(self, *stages):
+        """Adds pipeline stages (callables from an iterator to an iterator, like webdataset's
+        ``wds.decode()``, ``wds.to_tuple(...)``, ``wds.map(f)``), applied in each worker after
+        the stream, in order. Returns the dataset. Resume stays exact through stages that
+        take no sample before they yield the previous one (1:1 maps, ``select``); webdataset's
+        ``batched()`` reads one sample past each full batch and ``shuffle()`` holds a buffer,
+        so a resume after them skips what they held: batch in the DataLoader instead."""
+        self._stages.extend(stages)
+        return self
+
+    def __iter__(self):
+        worker, num_workers = _worker()
+        if num_workers == 1:
+            self._resolve_topology()  # the trainer's own process
+        fields = dict(dataset=self.dataset, seed=self.seed, rank=self.rank,
+                      world_size=self.world_size, worker=worker, num_workers=num_workers,
+                      epoch=self.epoch)
+        start, fingerprint, past_end_is_empty = 0, None, False
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            start, fingerprint, past_end_is_empty = self._apply(resume, fields)
+        cursor = _Cursor(fields, start, fingerprint)
+        if start is None:  # an ended stream: nothing left this epoch
+            cursor.start = cursor.position = resume["position"]
+            cursor.ended = True
+        self._cursor = cursor
+        it = _ShardIterator(self.socket, self.timeout, cursor, past_end_is_empty)
+        source = it
+        for stage in self._stages:
+            source = stage(source)
+        return iter(source)
+
+    def _apply(self, resume, fields):
+        """Turns a pending resume into (start, expected fingerprint, past_end_is_empty) for the
+        stream described by ``fields`` (whose ``worker`` a skip may rotate)."""
+        epoch = fields["epoch"]
+        if resume.get("kind") == "batches":
+            if resume["epoch"] != epoch:
+                return 0, None, False
+            k, b, n = resume["batches"], resume["batch_size"], fields["num_workers"]
+            # The DataLoader deals batch i to worker i mod n, and a new loader starts at worker
+            # 0: loader worker j plays stream (j + k) mod n, whose next batch is its
+            # ceil((k - w) / n)-th.
+            w = (fields["worker"] + k) % n
+            fields["worker"] = w
+            return max(0, -(-(k - w) // n)) * b, None, True
+        if resume["epoch"] != epoch:
+            if resume.get("ended"):
+                return 0, None, False  # that epoch is done; this is another
+            raise ValueError(
+                f"this state is in the middle of epoch {resume['epoch']} of dataset "
+                f"{resume['dataset']!r} but the dataset is set to epoch {epoch}: call "
+                f"set_epoch({resume['epoch']}) before iterating (shardd.torch.resume_epoch("
+                f"loader_state) reads it from a StatefulDataLoader state)")
+        for key in ("dataset", "seed", "rank", "world_size", "num_workers", "worker"):
+            if resume[key] != fields[key]:
+                raise ValueError(
+                    f"cannot resume exactly: the state is of {_describe(resume)}, this stream is "
+                    f"{_describe(fields)} ({key} differs). Load each rank's own state into a "
+                    f"loader with as many workers as the one that saved it")
+        if resume.get("ended"):
+            return None, resume.get("fingerprint"), False
+        return int(resume["position"]), resume.get("fingerprint"), False
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """Where this process's stream is: dataset, seed, rank, world_size, worker,
+        num_workers, epoch, position (samples delivered, the resume point), fingerprint,
+        ended. In a DataLoader worker it describes that worker's stream (torchdata's
+        StatefulDataLoader collects one per worker); in the trainer's process with
+        num_workers=0 it is exact after every batch."""
+        c = self._cursor
+        if c is not None and c.pid == os.getpid():
+            return c.state()
+        if self._resume is not None and self._resume.get("kind") != "batches":
+            return dict(self._resume)
+        worker, num_workers = _worker()
+        return dict(shardd=STATE_VERSION, dataset=self.dataset, seed=self.seed, rank=self.rank,
+                    world_size=self.world_size, worker=worker, num_workers=num_workers,
+                    epoch=self.epoch, position=0, fingerprint=None, ended=False)
+
+    def load_state_dict(self, state):
+        """Makes the next iteration of ``state['epoch']`` continue right after the last sample
+        the state counted: the stream is reopened with ``start=state['position']`` and
+        yields exactly the rest of that epoch, in the same order. The dataset's epoch must be
+        ``state['epoch']`` when it is iterated (``set_epoch``), unless the state had ended."""
+        if not isinstance(state, dict) or state.get("shardd") != STATE_VERSION:
+            raise ValueError(f"not a shardd.torch state (version {STATE_VERSION}): {state!r}")
+        self._resume = dict(state)
+
+    def skip(self, batches, batch_size):
+        """Plain-DataLoader resume: the next iteration of the current epoch starts after its
+        first ``batches`` batches of ``batch_size``, as the DataLoader ordered them, whatever
+        its ``num_workers`` (with more than one worker the dataset needs a manifest). Each
+        worker computes its own stream's position; the order of the batches that follow is
+        that of an uninterrupted epoch. Call it after ``set_epoch`` and before ``iter``."""
+        if batches < 0 or batch_size < 1:
+            raise ValueError(f"skip(batches={batches}, batch_size={batch_size})")
+        self._resume = dict(kind="batches", epoch=self.epoch, batches=int(batches),
+                            batch_size=int(batch_size))
+
+    # -- pickling (spawned workers) --------------------------------------------------------------
+
+    def __getstate__(self):
+        self._resolve_topology()  # in the trainer's process, where torch.distributed lives
+        state = self.__dict__.copy()
+        state["_cursor"] = None
+        return state
+
+
+def _describe(f):
+    return (f"dataset {f['dataset']!r} seed {f['seed']} rank {f['rank']} of {f['world_size']}, "
+            f"worker {f['worker']} of {f['num_workers']}")
+
+
+def resume_epoch(loader_state):
+    """The epoch to ``set_epoch`` before iterating a loader that loaded ``loader_state``.
+
+    For a ``StatefulDataLoader.state_dict()``: the saved epoch, unless the loader had run to
+    its end (then the next one). A loader saved after its last batch but before it stopped
+    resumes into an empty rest of that epoch, so the saved epoch is right there too. For a
+    ``ShardDataset.state_dict()``: the saved epoch, or the next one if its stream had ended.
+    None when the state holds no shardd stream."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if x.get("shardd") == STATE_VERSION and "epoch" in x and "position" in x:
+                found.append(x)
+                return
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(loader_state)
+    if not found:
+        return None
+    epoch = max(s["epoch"] for s in found)
+    if found[0] is loader_state:  # a dataset's own state
+        return epoch + 1 if loader_state.get("ended") else epoch
+    return epoch + 1 if loader_state.get("_iterator_finished") is True else epoch
