@@ -2,9 +2,16 @@
 //! `/readyz` (the cache directory is usable and every dataset's store answers: checked for
 //! real, at most every few seconds) and `/status` (JSON: the datasets, the cache, every open
 //! stream; `shardd status` prints it as a table).
+//!
+//! Every request is bounded (tower middleware): at most [`MAX_REQUESTS`] handled at once
+//! (more wait their turn), and [`REQUEST_TIMEOUT`] each (then 503), so a stuck scraper or a
+//! flood of probes cannot hold the daemon's resources.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use axum::error_handling::HandleErrorLayer;
+use tower::ServiceBuilder;
 
 use axum::Router;
 use axum::extract::State;
@@ -17,6 +24,11 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::Metrics;
 use crate::status::Board;
 
+/// Requests handled at once.
+pub const MAX_REQUESTS: usize = 32;
+/// Longest time a request may take (a readiness check asks the stores: at most 5 s each).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 #[derive(Clone)]
 struct Shared {
     metrics: Arc<Metrics>,
@@ -25,7 +37,7 @@ struct Shared {
 }
 
 pub fn router(metrics: Arc<Metrics>, board: Arc<Board>) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/metrics", get(render))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
@@ -34,7 +46,23 @@ pub fn router(metrics: Arc<Metrics>, board: Arc<Board>) -> Router {
             metrics,
             board,
             started: Instant::now(),
-        })
+        });
+    bounded(router, REQUEST_TIMEOUT, MAX_REQUESTS)
+}
+
+/// Bounds every request of `router` in time and in number.
+fn bounded(router: Router, timeout: Duration, at_once: usize) -> Router {
+    router.layer(
+        ServiceBuilder::new()
+            .layer(HandleErrorLayer::new(|e: tower::BoxError| async move {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("request not served: {e}\n"),
+                )
+            }))
+            .timeout(timeout)
+            .concurrency_limit(at_once),
+    )
 }
 
 async fn render(State(s): State<Shared>) -> impl IntoResponse {
@@ -72,4 +100,31 @@ pub async fn serve(
     axum::serve(listener, router(metrics, board))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt;
+
+    #[tokio::test]
+    async fn a_request_that_takes_too_long_is_answered_503() {
+        let slow = Router::new().route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                "late"
+            }),
+        );
+        let app = bounded(slow, Duration::from_millis(50), 4);
+        let request = axum::http::Request::get("/slow")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = axum::body::to_bytes(response.into_body(), 1024)
+            .await
+            .unwrap();
+        assert_eq!(&body[..], b"request not served: request timed out\n");
+    }
 }

@@ -244,3 +244,26 @@ def test_check_lists_shards_and_rejects_bad_configs(tmp_path, fake_gcs, train_pa
         assert message in out.stderr, out.stderr
         assert out.stderr.startswith("shardd: error:"), out.stderr
         assert "backtrace" not in out.stderr.lower() and "panicked" not in out.stderr
+
+
+def test_credentials_never_leave_the_daemon(make_daemon, s3_endpoint):
+    """Secrets reach the store and nothing else: not the logs (at debug level), the error
+    frames, /metrics or /status."""
+    import urllib.request
+
+    secret, key_id = "SeCrEt-do-not-log-7f3a9c", "AKIDLEAKCHECK42"
+    d = make_daemon(
+        f'[s3]\nendpoint = "{s3_endpoint}"\nregion = "us-east-1"\n'
+        f'[datasets.gone]\nshards = ["s3://bkt3/train/train-000000.tar", "s3://bkt3/nope/missing.tar"]\n',
+        env={"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret},
+    )
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            list(c.stream("gone", epoch=0, rank=0, world_size=1))
+    assert "s3://bkt3/nope/missing.tar" in str(e.value)
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/status", timeout=10) as r:
+        status = r.read().decode()
+    seen = {"error": str(e.value), "metrics": d.metrics(), "status": status, "log": d.log_path.read_text()}
+    assert "GET" in seen["log"] or "stream" in seen["log"]  # the log is not empty
+    for where, text in seen.items():
+        assert secret not in text and key_id not in text, f"a credential in the {where}"
