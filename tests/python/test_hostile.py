@@ -190,3 +190,22 @@ def test_absurd_requests_are_served_or_refused_clearly_with_bounded_memory(make_
     # its numbers would need gigabytes.
     assert vm_hwm(d.proc.pid) - before < 64 << 20
     good.finish()
+
+
+def test_the_daemon_lifts_its_open_files_limit(make_daemon, fake_gcs):
+    """Each connection holds a socket, a pipe and shard files: the daemon raises its soft
+    open-files limit to the hard one (through rustix, not raw libc)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(256, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # inherited by the daemon
+    try:
+        d = make_daemon(gcs_config(fake_gcs))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with open(f"/proc/{d.proc.pid}/limits") as f:
+        line = next(l for l in f if l.startswith("Max open files"))
+    daemon_soft, daemon_hard = line.split()[3:5]
+    assert daemon_hard == (str(hard) if hard != resource.RLIM_INFINITY else "unlimited")
+    assert daemon_soft == daemon_hard, line
