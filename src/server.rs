@@ -28,6 +28,9 @@ use crate::stream::{self, StreamContext, StreamError};
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound on writing an ERROR frame to a client that may not be reading.
 const ERROR_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections refused as `busy` that may linger at once (reading what their client sends,
+/// so it can read the refusal); beyond that they are closed at once.
+const BUSY_LINGERING: usize = 256;
 
 /// Everything a connection needs.
 pub struct Daemon {
@@ -39,6 +42,7 @@ pub struct Daemon {
 
 pub async fn run(listener: UnixListener, daemon: Arc<Daemon>, shutdown: CancellationToken) {
     let permits = Arc::new(Semaphore::new(daemon.config.max_connections));
+    let lingering = Arc::new(Semaphore::new(BUSY_LINGERING));
     let tracker = TaskTracker::new();
     let metrics = daemon.streams.metrics.clone();
     loop {
@@ -75,8 +79,19 @@ pub async fn run(listener: UnixListener, daemon: Arc<Daemon>, shutdown: Cancella
                         ),
                     },
                 ));
-                // A fresh socket's buffer takes this small reply without blocking.
-                let _ = socket.try_write(&reply);
+                match lingering.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        tracker.spawn(async move {
+                            let (mut rd, mut wr) = socket.into_split();
+                            send_and_close(&mut rd, &mut wr, &reply).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(_) => {
+                        // A fresh socket's buffer takes this small reply without blocking.
+                        let _ = socket.try_write(&reply);
+                    }
+                }
             }
         }
     }
@@ -114,31 +129,54 @@ async fn handle(
     // Who is on the other end, for the stream's log lines.
     let peer = socket.peer_cred().ok();
     let (mut rd, mut wr) = socket.into_split();
-    let outcome = serve(&mut rd, &mut wr, &daemon, &shutdown, peer).await;
+    let mut preamble_sent = false;
+    let outcome = serve(
+        &mut rd,
+        &mut wr,
+        &daemon,
+        &shutdown,
+        peer,
+        &mut preamble_sent,
+    )
+    .await;
     if let Err(r) = outcome {
-        let frame = protocol::json_frame(
+        // Every answer starts with our preamble (PROTOCOL.md), even a handshake timeout's
+        // before the client's 8 bytes came: so the client can tell "refused" from "not shardd".
+        let mut reply = match preamble_sent {
+            true => Vec::new(),
+            false => protocol::preamble().to_vec(),
+        };
+        reply.extend(protocol::json_frame(
             Kind::Error,
             &ErrorFrame {
                 code: r.code.into(),
                 message: r.message,
             },
-        );
-        // Lingering close: closing a socket with unread input resets the connection, and the
-        // reset can destroy the ERROR frame before the client reads it. So send it, shut our
-        // side, and discard what the client still sends (bounded in time and bytes).
-        let _ = tokio::time::timeout(ERROR_WRITE_TIMEOUT, async {
-            wr.write_all(&frame).await?;
-            wr.shutdown().await?;
-            let mut sink = [0u8; 4096];
-            for _ in 0..16 {
-                if rd.read(&mut sink).await? == 0 {
-                    break;
-                }
-            }
-            std::io::Result::Ok(())
-        })
-        .await;
+        ));
+        send_and_close(&mut rd, &mut wr, &reply).await;
     }
+}
+
+/// Lingering close: closing a socket with unread input resets the connection, and a client
+/// still sending then fails (EPIPE) before it reads our reply. So send the reply, shut our
+/// side, and discard what the client still sends (bounded in time and bytes).
+async fn send_and_close(
+    rd: &mut tokio::net::unix::OwnedReadHalf,
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    reply: &[u8],
+) {
+    let _ = tokio::time::timeout(ERROR_WRITE_TIMEOUT, async {
+        wr.write_all(reply).await?;
+        wr.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        for _ in 0..17 {
+            if rd.read(&mut sink).await? == 0 {
+                break;
+            }
+        }
+        std::io::Result::Ok(())
+    })
+    .await;
 }
 
 async fn serve(
@@ -147,9 +185,11 @@ async fn serve(
     daemon: &Daemon,
     shutdown: &CancellationToken,
     peer: Option<tokio::net::unix::UCred>,
+    preamble_sent: &mut bool,
 ) -> Result<(), Refusal> {
     let config = &daemon.config;
-    let req = match tokio::time::timeout(config.handshake_timeout, handshake(rd, wr)).await {
+    let handshake = handshake(rd, wr, preamble_sent);
+    let req = match tokio::time::timeout(config.handshake_timeout, handshake).await {
         Ok(r) => r?,
         Err(_) => {
             return Err(refuse(
@@ -354,10 +394,14 @@ async fn serve(
 async fn handshake(
     rd: &mut tokio::net::unix::OwnedReadHalf,
     wr: &mut tokio::net::unix::OwnedWriteHalf,
+    preamble_sent: &mut bool,
 ) -> Result<Request, Refusal> {
     let io = |e: std::io::Error| refuse("bad_handshake", format!("reading the handshake: {e}"));
     let mut theirs = [0u8; protocol::PREAMBLE_LEN];
     rd.read_exact(&mut theirs).await.map_err(io)?;
+    // Set first: 8 bytes on a fresh socket are written at once, and a preamble must never be
+    // sent twice even if the timeout strikes mid-write.
+    *preamble_sent = true;
     wr.write_all(&protocol::preamble()).await.map_err(io)?;
     let version = protocol::parse_preamble(&theirs).ok_or_else(|| {
         refuse(

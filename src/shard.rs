@@ -178,7 +178,13 @@ impl<'a> Members<'a> {
                 return Err(bad("archive header checksum mismatch").into());
             }
             let kind = header.entry_type();
-            let size = match pax_size.take() {
+            // PAX records describe the next member, not an extension header in between (as in
+            // tarfile and the tar crate): `x` (size) then `L` (long name) then the file.
+            let extension = kind.is_gnu_longname()
+                || kind.is_gnu_longlink()
+                || kind.is_pax_local_extensions()
+                || kind.is_pax_global_extensions();
+            let size = match pax_size.filter(|_| !extension) {
                 Some(size) => size,
                 None => header.entry_size()?,
             };
@@ -449,6 +455,43 @@ mod tests {
             err,
             "gs://b/sun.tar: not a valid tar file: archive header checksum mismatch"
         );
+    }
+
+    /// Issue 8 (fuzzing, `tar` target against its reference walk): a PAX `size` record
+    /// followed by a GNU long-name header was applied to the long-name header, so the shard
+    /// silently yielded no samples, where tarfile (webdataset) reads the file with the PAX size.
+    #[test]
+    fn pax_size_describes_the_member_after_a_long_name() {
+        let raw = |name: &str, size: u64, kind: tar::EntryType| {
+            let mut h = tar::Header::new_gnu();
+            h.as_gnu_mut().unwrap().name[..name.len()].copy_from_slice(name.as_bytes());
+            h.set_size(size);
+            h.set_mode(0o644);
+            h.set_entry_type(kind);
+            h.set_cksum();
+            h.as_bytes().to_vec()
+        };
+        let padded = |b: &[u8]| {
+            let mut b = b.to_vec();
+            b.resize(b.len().next_multiple_of(512), 0);
+            b
+        };
+        let long = format!("dir/{}.jpg", "n".repeat(120));
+        let mut data = raw("pax", 10, tar::EntryType::XHeader);
+        data.extend(padded(b"10 size=5\n"));
+        data.extend(raw(
+            "././@LongLink",
+            long.len() as u64 + 1,
+            tar::EntryType::GNULongName,
+        ));
+        data.extend(padded(format!("{long}\0").as_bytes()));
+        data.extend(raw("short.jpg", 999, tar::EntryType::Regular)); // PAX says 5
+        data.extend(padded(b"hello"));
+        data.extend([0u8; 1024]);
+        let s = parse(&ShardBytes::heap(Bytes::from(data)), &Arc::from("u")).unwrap();
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].key, format!("dir/{}", "n".repeat(120)));
+        assert_eq!(&s[0].fields[0].1[..], b"hello");
     }
 
     #[test]

@@ -1,0 +1,136 @@
+"""Writes the committed seed corpora (fuzz/seeds/<target>/). Run from anywhere:
+python3 fuzz/seeds/make_seeds.py. The tar seeds include two shards of the webdataset
+project's own test data (BSD-style license, see ../shared/testdata/webdataset/LICENSE)."""
+
+import io
+import json
+import pathlib
+import shutil
+import struct
+import tarfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TESTDATA = ROOT.parent / "shared" / "testdata" / "webdataset"
+
+
+def out(target, name, data):
+    d = HERE / target
+    d.mkdir(exist_ok=True)
+    (d / name).write_bytes(data)
+
+
+def frame(kind, body):
+    return struct.pack("<IB", len(body), kind) + body
+
+
+PREAMBLE = b"SHARDD" + struct.pack("<H", 1)
+
+
+def frames():
+    req = {"op": "stream", "dataset": "train", "epoch": 0, "rank": 3, "world_size": 32,
+           "worker": 0, "num_workers": 1, "seed": 0}
+    out("frame", "request", PREAMBLE + frame(1, json.dumps(req).encode()))
+    out("frame", "request-minimal", PREAMBLE + frame(1, b'{"op":"stream","dataset":"d","epoch":7,"rank":0,"world_size":1}'))
+    out("frame", "request-unknown-field", PREAMBLE + frame(1, b'{"op":"stream","dataset":"d","epoch":0,"rank":0,"world_size":1,"x":1}'))
+    out("frame", "start", frame(2, b'{"dataset": "train", "shards": 20, "host": 0, "hosts": 4}'))
+    out("frame", "error", frame(5, b'{"code":"busy","message":"the daemon already serves"}'))
+    out("frame", "not-shardd", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+
+
+def batch_body(samples):
+    """samples: [(key, url, [(name, data)])] -> BATCH body per proto/PROTOCOL.md."""
+    names, urls, words, payload = [], [], [], b""
+    for key, url, fields in samples:
+        if url not in urls:
+            urls.append(url)
+        words += [urls.index(url) | (len(fields) << 16), len(key)]
+        payload += key
+        for name, data in fields:
+            if name not in names:
+                names.append(name)
+            words += [names.index(name), len(data)]
+            payload += data
+    tables = b"".join(struct.pack("<I", len(t)) + t for t in names + urls)
+    pieces = [len(k) for k, _, _ in samples] + [len(d) for _, _, f in samples for _, d in f]
+    offset = 24 + len(tables) + 4 * len(words)
+    head = struct.pack("<6I", len(samples), len(words), len(names), len(urls), offset, max(pieces, default=0))
+    return head + tables + struct.pack(f"<{len(words)}I", *words) + payload
+
+
+def batches():
+    out("batch_decode", "two-samples", batch_body([
+        (b"a", b"gs://b/0.tar", [(b"jpg", b"J" * 10), (b"cls", b"1")]),
+        (b"bb", b"gs://b/1.tar", [(b"seg.png", b"P" * 300), (b"json", b"")]),
+    ]))
+    out("batch_decode", "empty", batch_body([]))
+    out("batch_decode", "no-fields", batch_body([(b"k", b"u", [])]))
+    out("batch_roundtrip", "a", bytes(range(256)))
+    out("batch_roundtrip", "b", b"\x02gs://b/0.tar\x01jpg\x03k1\x00\x01\x00\x01\xff\x00\x10\x05" * 4)
+
+
+def tar_bytes(fmt, members):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
+        for name, data, typ in members:
+            ti = tarfile.TarInfo(name)
+            ti.type = typ
+            ti.size = len(data) if typ == tarfile.REGTYPE else 0
+            t.addfile(ti, io.BytesIO(data) if typ == tarfile.REGTYPE else None)
+    return buf.getvalue()
+
+
+def tars():
+    R, D = tarfile.REGTYPE, tarfile.DIRTYPE
+    for name in ["compressed.tar", "sample.tgz"]:
+        out("tar", name, b"\0" + (TESTDATA / name).read_bytes())
+    long = "d" * 120 + "/sample.seg.PNG"
+    out("tar", "gnu-longname", b"\0" + tar_bytes(tarfile.GNU_FORMAT, [
+        ("dir/", b"", D), (long, b"x" * 600, R), ("d" * 120 + "/sample.cls", b"3", R)]))
+    out("tar", "pax", b"\0" + tar_bytes(tarfile.PAX_FORMAT, [
+        ("p" * 200 + "/k.txt", b"abc", R), ("__meta__", b"m", R), ("k2.txt", b"", R), ("k2.json", b"{}", R)]))
+    out("tar", "ustar-prefix", b"\0" + tar_bytes(tarfile.USTAR_FORMAT, [
+        ("a" * 90 + "/" + "b" * 60 + "/s.jpg", b"\xff" * 513, R), ("__index__/x.json", b"i", R)]))
+    out("tar", "dup-field", b"\0" + tar_bytes(tarfile.USTAR_FORMAT, [("k.jpg", b"1", R), ("k.JPG", b"2", R)]))
+    # A PAX size record, then a GNU long name, then the file (found by this target).
+    def raw(name, size, typ):
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.type = size, typ
+        return ti.tobuf(format=tarfile.GNU_FORMAT)[:512]
+    pad = lambda b: b + b"\0" * (-len(b) % 512)
+    long = b"dir/" + b"n" * 120 + b".jpg\0"
+    out("tar", "pax-then-longname", b"\0" + raw("pax", 10, tarfile.XHDTYPE) + pad(b"10 size=5\n")
+        + raw("././@LongLink", len(long), tarfile.GNUTYPE_LONGNAME) + pad(long)
+        + raw("short.jpg", 999, R) + pad(b"hello") + bytes(1024))
+    out("tar", "repair-me", b"\x01" + tar_bytes(tarfile.USTAR_FORMAT, [("k.jpg", b"1", R), ("l.jpg", b"2", R)]))
+
+
+def braces():
+    for i, p in enumerate([
+        "gs://bucket/imagenet/train-{000000..000639}.tar", "{train,val}-{0..1}", "x{a,b{1..2}}y",
+        r"a\{0..2\}", "{0..10..5}", "{a..e}", "{x}-{0..1}", "{3..1}", "{09..11}",
+    ]):
+        out("braces", f"raw-{i}", b"\x01" + p.encode())
+    out("braces", "structured-a", b"\x00" + bytes(range(64)))
+    out("braces", "structured-b", b"\x00\x03\x01\x05\x00\x00\x00\x00\x00\x00\x00\x09\x00\x00\x00\x00\x00\x00\x00\x01\x03" * 3)
+
+
+def configs():
+    example = (ROOT / "config.example.toml").read_bytes()
+    out("config", "example", example)
+    uncommented = b"\n".join(
+        l[1:] if l.startswith(b"#") and not l.startswith((b"# ", b"##")) and l != b"#" else l
+        for l in example.split(b"\n"))
+    out("config", "example-uncommented", uncommented)
+    out("config", "minimal", b'[host]\nindex = 0\ncount = 4\n[datasets.train]\nshards = "gs://bucket/imagenet/train-{000000..000639}.tar"\n')
+    out("config", "two-datasets", b'[cache]\nrevalidate = "0s"\nmax_size = "1.5 GiB"\n[datasets.a]\nshards = ["/x/a-{0..3}.tar", "s3://b/c.tar"]\nshuffle_buffer = 1\n[datasets.b]\nshards = "file:///x/b.tgz"\nwarm = true\n')
+
+
+if __name__ == "__main__":
+    for d in HERE.iterdir():
+        if d.is_dir():
+            shutil.rmtree(d)
+    frames(); batches(); tars(); braces(); configs()
+    for d in sorted(HERE.iterdir()):
+        if d.is_dir():
+            print(d.name, len(list(d.iterdir())), sum(f.stat().st_size for f in d.iterdir()))

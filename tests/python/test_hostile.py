@@ -1,0 +1,211 @@
+"""Hostile local clients (issue 8): anyone who can open the socket must not be able to take
+the daemon or other trainers down. Every test keeps a well-behaved stream open across the
+hostile part and checks it completes byte for byte (against webdataset's own reading)."""
+
+import json
+import re
+import socket
+import struct
+import threading
+
+import pytest
+import shardd
+
+from conftest import BUCKET, gcs_config, reference_samples, wait_for
+
+PREAMBLE = b"SHARDD\x02\x00"  # what a protocol-2 client sends, and what the daemon answers
+
+
+class GoodStream:
+    """A full epoch read by the real client, opened before the hostile part and finished
+    after it."""
+
+    def __init__(self, daemon, paths, dataset="train"):
+        self.want = reference_samples(paths)
+        self.client = shardd.Client(daemon.socket)
+        self.stream = self.client.stream(dataset, epoch=0, rank=0, world_size=1)
+        self.got = [next(self.stream)]
+
+    def finish(self):
+        self.got.extend(self.stream)
+        self.client.close()
+        got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in self.got}
+        assert len(got) == len(self.got), "a sample arrived twice"
+        assert got == self.want
+
+
+def exchange(path, data, timeout=30):
+    """Sends raw bytes, returns everything the daemon answers until it closes."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def preamble_then_error(reply):
+    assert reply[:8] == PREAMBLE, reply[:16]
+    length, kind = struct.unpack_from("<IB", reply, 8)
+    assert kind == 5, f"kind {kind}"
+    assert len(reply) == 13 + length, "nothing after the ERROR frame"
+    return json.loads(reply[13:])
+
+
+def request(**fields):
+    body = json.dumps({"op": "stream", "dataset": "train", "epoch": 0, "rank": 0,
+                       "world_size": 1, **fields}).encode()
+    return struct.pack("<IB", len(body), 1) + body
+
+
+def test_thousands_of_connections_each_read_busy(make_daemon, fake_gcs, shard_dir):
+    """With every connection slot taken, 2000 more connections through the real client each
+    get DaemonError("busy"): none sees BrokenPipeError or a reset, however the daemon's close
+    races the client's send."""
+    d = make_daemon(gcs_config(fake_gcs), server='max_connections = 4\nhandshake_timeout = "60s"')
+    # 8 MB samples: the daemon cannot finish this stream into the socket buffers, so it
+    # holds its slot until it is read.
+    good = GoodStream(d, sorted((shard_dir / BUCKET / "big").glob("*.tar")), "big")
+    holders = [socket.socket(socket.AF_UNIX) for _ in range(3)]  # silent: they hold a slot
+    for h in holders:
+        h.connect(str(d.socket))
+    wait_for(lambda: d.metric("shardd_connections_active") == 4, "every slot to be taken")
+
+    outcomes, lock = {}, threading.Lock()
+
+    def attempt(n):
+        for _ in range(n):
+            try:
+                with shardd.Client(d.socket) as c:
+                    c.stream("train", epoch=0, rank=0, world_size=1)
+                outcome = "served"
+            except shardd.DaemonError as e:
+                outcome = f"{e.code}: {e}"
+            except Exception as e:  # what must not happen
+                outcome = f"{type(e).__name__}: {e}"
+            with lock:
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    threads = [threading.Thread(target=attempt, args=(125,)) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    busy = "busy: the daemon already serves server.max_connections = 4 connections"
+    assert outcomes == {busy: 2000}
+    assert d.metric("shardd_connections_rejected_total") == 2000
+
+    good.finish()
+    for h in holders:
+        h.close()
+    wait_for(lambda: d.metric("shardd_connections_active") == 0, "the slots to be released")
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"SHA", PREAMBLE, PREAMBLE + request()[:20]],
+    ids=["nothing", "part-of-the-preamble", "preamble-only", "part-of-the-request"],
+)
+def test_a_slow_handshake_gets_the_preamble_then_the_timeout_error(make_daemon, fake_gcs, train_paths, sent):
+    """PROTOCOL.md: the daemon answers with its preamble, so a client can tell "not a shardd
+    socket" from "refused"; a handshake that does not complete in time is refused."""
+    d = make_daemon(gcs_config(fake_gcs), server='handshake_timeout = "300ms"')
+    good = GoodStream(d, train_paths)
+    err = preamble_then_error(exchange(d.socket, sent))
+    assert err == {
+        "code": "bad_handshake",
+        "message": "no complete request within server.handshake_timeout (300ms)",
+    }
+    good.finish()
+
+
+def vm_hwm(pid):
+    """Peak resident memory of a process, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def test_absurd_requests_are_served_or_refused_clearly_with_bounded_memory(make_daemon, fake_gcs, train_paths):
+    """Huge world sizes, worker counts and epochs: a plan costs the shard count, never the
+    numbers in the request. Each absurd request, 32 at a time, is either a correct (tiny or
+    empty) stream or refused with a message naming the field."""
+    d = make_daemon(gcs_config(fake_gcs))
+    good = GoodStream(d, train_paths)
+    want = reference_samples(train_paths)
+    u32, u64 = 2**32 - 1, 2**64 - 1
+    served = [
+        dict(world_size=4_000_000_000, rank=0),
+        dict(world_size=4_000_000_000, rank=3_999_999_999),
+        dict(world_size=u32, rank=u32 - 1, num_workers=u32, worker=u32 - 1),
+        dict(world_size=1, rank=0, num_workers=1_000_000, worker=0),
+        dict(world_size=1, rank=0, num_workers=1_000_000, worker=999_999),
+        dict(world_size=1, rank=0, epoch=u64, seed=u64),
+    ]
+    refused = [
+        (dict(world_size=2**32, rank=0), "bad_request",
+         "invalid request: invalid value: integer `4294967296`, expected u32"),
+        (dict(world_size=1, rank=0, epoch=2**64), "bad_request",
+         "invalid request: invalid type: floating point `1.8446744073709552e+19`, expected u64"),
+        (dict(world_size=1, rank=0, num_workers=0), "bad_topology",
+         'dataset "train": num_workers must be at least 1'),
+        (dict(world_size=1, rank=0, worker=1_000_000, num_workers=1_000_000), "bad_topology",
+         'dataset "train": worker 1000000 must be less than num_workers 1000000'),
+    ]
+    failures = []
+
+    def serve(fields):
+        try:
+            with shardd.Client(d.socket) as c:
+                kw = {"epoch": 0, **fields}
+                samples = list(c.stream("train", **kw))
+            for s in samples:
+                fields_of = {k: v for k, v in s.items() if not k.startswith("__")}
+                if want.get(s["__key__"]) != fields_of:
+                    failures.append(f"{fields}: sample {s['__key__']} differs")
+        except Exception as e:
+            failures.append(f"{fields}: {type(e).__name__}: {e}")
+
+    def refuse(fields, code, message):
+        try:
+            with shardd.Client(d.socket) as c:
+                c.stream("train", epoch=fields.pop("epoch", 0), **fields)
+            failures.append(f"{fields}: served")
+        except shardd.DaemonError as e:
+            if e.code != code or not str(e).startswith(message):
+                failures.append(f"{fields}: {e.code}: {e}")
+
+    before = vm_hwm(d.proc.pid)
+    threads = []
+    for _ in range(4):
+        threads += [threading.Thread(target=serve, args=(f,)) for f in served]
+        threads += [threading.Thread(target=refuse, args=(dict(f), c, m)) for f, c, m in refused]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    # Generous: the train shards are 1 MB in all; a request that cost memory in proportion to
+    # its numbers would need gigabytes.
+    assert vm_hwm(d.proc.pid) - before < 64 << 20
+    good.finish()
+
+
+def test_the_daemon_lifts_its_open_files_limit(make_daemon, fake_gcs):
+    """Each connection holds a socket, a pipe and shard files: the daemon raises its soft
+    open-files limit to the hard one (through rustix, not raw libc)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(256, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # inherited by the daemon
+    try:
+        d = make_daemon(gcs_config(fake_gcs))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with open(f"/proc/{d.proc.pid}/limits") as f:
+        line = next(l for l in f if l.startswith("Max open files"))
+    daemon_soft, daemon_hard = line.split()[3:5]
+    assert daemon_hard == (str(hard) if hard != resource.RLIM_INFINITY else "unlimited")
+    assert daemon_soft == daemon_hard, line
