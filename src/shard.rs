@@ -280,34 +280,39 @@ fn bad(msg: &str) -> io::Error {
 }
 
 /// webdataset's metadata filter: a first path component like `__meta__` (or a top-level
-/// name starting and ending with `__`) is not sample data.
+/// name starting and ending with `__`) is not sample data. Its regex, `__[^/]*__($|/)`, is
+/// Python's, whose `$` also matches before a final newline.
 fn is_meta(name: &str) -> bool {
     match name.split_once('/') {
-        None => name.starts_with("__") && name.ends_with("__"),
+        None => {
+            (name.starts_with("__") && name.ends_with("__"))
+                || (name.len() >= 5 && name.starts_with("__") && name.ends_with("__\n"))
+        }
         Some((first, _)) => first.len() >= 4 && first.starts_with("__") && first.ends_with("__"),
     }
 }
 
-/// webdataset's `base_plus_ext`, i.e. the regex `^((?:.*/|)[^.]+)[.]([^/]*)$`, without a regex:
-/// the key ends at the first dot of the file name. When the file name starts with a dot, the
-/// regex backtracks and the key is the directory part (with its trailing slash), provided the
-/// last directory component has no dot.
+/// webdataset's `base_plus_ext`, i.e. the Python regex `^((?:.*/|)[^.]+)[.]([^/]*)$`, without
+/// a regex. The field follows the first dot after the last `/`. The key before it is `.*/`
+/// then `[^.]+`: the regex tries `.*/` longest first (ending after a `/` before any newline,
+/// since `.` does not match one), then empty, and the part after it may hold no dot. So a key
+/// is usually everything up to the file name's first dot, and a file name starting with a dot
+/// takes its directory into the key. Linear in the name (names can be 64 KiB PAX paths).
 fn split_name(name: &str) -> Option<(&str, &str)> {
-    let file_start = name.rfind('/').map_or(0, |i| i + 1);
-    let dot = file_start + name[file_start..].find('.')?;
-    if dot > file_start {
-        return Some((&name[..dot], &name[dot + 1..]));
+    let file = name.rfind('/').map_or(0, |i| i + 1);
+    let dot = file + name[file..].find('.')?;
+    let dir_dot = name[..file].rfind('.');
+    let first_line = &name[..name.find('\n').unwrap_or(name.len())];
+    let starts = first_line.rmatch_indices('/').map(|(i, _)| i + 1);
+    for start in starts.chain(std::iter::once(0)) {
+        if dir_dot.is_some_and(|d| start <= d) {
+            return None; // `[^.]+` would have to cross that dot, here and for every shorter `.*/`
+        }
+        if dot > start {
+            return Some((&name[..dot], &name[dot + 1..]));
+        }
     }
-    // The file name starts with a dot: `[^.]+` has to reach back over the last slash.
-    if file_start == 0 {
-        return None;
-    }
-    let dir = &name[..file_start - 1];
-    let last_dir = &dir[dir.rfind('/').map_or(0, |i| i + 1)..];
-    if last_dir.contains('.') {
-        return None;
-    }
-    Some((&name[..file_start], &name[dot + 1..]))
+    None
 }
 
 #[cfg(test)]
@@ -357,9 +362,39 @@ mod tests {
             ("a.", Some(("a", ""))),
             ("a//.x", Some(("a//", "x"))),
             ("x/y.z/w/.q", Some(("x/y.z/w/", "q"))),
+            // Newlines: `.` does not match one (issue 8, found by the tar fuzz target).
+            ("30 path=a/very/long/name.jpg\n0/k.jpg", None),
+            ("a\nb/c.d", Some(("a\nb/c", "d"))),
+            ("a/b\nc/d.e", Some(("a/b\nc/d", "e"))),
+            ("x.y\n/z.w", None),
+            ("a/b.c\n", Some(("a/b", "c\n"))),
+            ("d\n/.e", Some(("d\n/", "e"))),
+            ("a/\n/.e", Some(("a/\n/", "e"))),
+            ("a.b/c\nd.e", Some(("a.b/c\nd", "e"))),
+            ("a\n.b", Some(("a\n", "b"))),
+            ("\n/x.y", Some(("\n/x", "y"))),
+            ("a/b/c\nd/e.f", Some(("a/b/c\nd/e", "f"))),
         ];
         for (name, want) in cases {
             assert_eq!(split_name(name), *want, "{name}");
+        }
+    }
+
+    #[test]
+    fn meta_names_match_webdataset() {
+        // Expected values computed with webdataset's tar_file_iterator rules.
+        for (name, meta) in [
+            ("__x.y__\n", true),
+            ("__x__\n", true),
+            ("__a.b__", true),
+            ("__\n__/x.jpg", true),
+            ("__x.y__\nz", false),
+            ("__a__\n/b.c", false),
+            ("___.x", false),
+            ("__", true),
+            ("__index__/x.json", true),
+        ] {
+            assert_eq!(is_meta(name), meta, "{name:?}");
         }
     }
 
