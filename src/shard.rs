@@ -207,12 +207,15 @@ impl<'a> Members<'a> {
             if kind.is_gnu_longname() {
                 long_name = Some(&body[..body.iter().position(|b| *b == 0).unwrap_or(body.len())]);
             } else if kind.is_pax_local_extensions() {
-                for ext in tar::PaxExtensions::new(body) {
-                    let ext = ext?;
-                    match ext.key_bytes() {
-                        b"path" => pax_path = Some(ext.value_bytes()),
-                        b"size" => {
-                            pax_size = ext.value().ok().and_then(|v| v.parse().ok());
+                for record in PaxRecords(body) {
+                    match record? {
+                        (b"path", value) => pax_path = Some(value),
+                        (b"size", value) => {
+                            let digits = !value.is_empty() && value.iter().all(u8::is_ascii_digit);
+                            pax_size = std::str::from_utf8(value)
+                                .ok()
+                                .filter(|_| digits)
+                                .and_then(|v| v.parse().ok());
                             if pax_size.is_none() {
                                 return Err(bad("invalid PAX size record").into());
                             }
@@ -231,6 +234,40 @@ impl<'a> Members<'a> {
                 }));
             }
         }
+    }
+}
+
+/// The records of a PAX extended header, `"%d %s=%s\n"`, read by their length as tarfile
+/// does, so a value may hold newlines (the `tar` crate splits at newlines and refused such a
+/// path). Like tarfile, the records end at the first bytes that do not start one (`\d+ `),
+/// such as padding. Stricter than tarfile: a record that runs past the data, or lacks its
+/// `=` or final newline, is an error rather than a guess. Linear in the data.
+struct PaxRecords<'a>(&'a [u8]);
+
+impl<'a> Iterator for PaxRecords<'a> {
+    type Item = io::Result<(&'a [u8], &'a [u8])>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let rest = self.0;
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits == 0 || rest.get(digits) != Some(&b' ') {
+            return None;
+        }
+        self.0 = &[]; // an error ends the records
+        let len = std::str::from_utf8(&rest[..digits])
+            .ok()
+            .and_then(|d| d.parse::<usize>().ok())
+            .filter(|len| (digits + 2..=rest.len()).contains(len));
+        let Some(len) = len else {
+            return Some(Err(bad("a PAX record's length does not fit its header")));
+        };
+        let record = &rest[digits + 1..len];
+        let (Some(eq), Some(b'\n')) = (record.iter().position(|b| *b == b'='), record.last())
+        else {
+            return Some(Err(bad("malformed PAX record")));
+        };
+        self.0 = &rest[len..];
+        Some(Ok((&record[..eq], &record[eq + 1..record.len() - 1])))
     }
 }
 
@@ -527,6 +564,57 @@ mod tests {
         assert_eq!(s.len(), 1);
         assert_eq!(s[0].key, format!("dir/{}", "n".repeat(120)));
         assert_eq!(&s[0].fields[0].1[..], b"hello");
+    }
+
+    /// Issue 8 (fuzzing, `tar` target against its reference walk): a PAX path holding a
+    /// newline was refused ("malformed pax extension": the `tar` crate splits records at
+    /// newlines), though PAX records are length-prefixed for this and tarfile reads them.
+    #[test]
+    fn pax_records_are_read_by_length() {
+        let pax = |records: &[u8]| {
+            let mut b = tar::Builder::new(Vec::new());
+            let mut h = tar::Header::new_ustar();
+            h.set_size(records.len() as u64);
+            h.set_entry_type(tar::EntryType::XHeader);
+            h.set_cksum();
+            b.append(&h, records).unwrap();
+            let mut h = tar::Header::new_ustar();
+            h.set_size(3);
+            h.set_path("short.txt").unwrap();
+            h.set_cksum();
+            b.append(&h, &b"abc"[..]).unwrap();
+            parse(
+                &ShardBytes::heap(Bytes::from(b.into_inner().unwrap())),
+                &Arc::from("u"),
+            )
+        };
+        // A record's length counts the whole record, its own digits included.
+        let s = pax(b"16 path=a\nb/c.d\n").unwrap();
+        assert_eq!(s[0].key, "a\nb/c");
+        assert_eq!(&s[0].fields[0].1[..], b"abc");
+        // Padding after the records ends them, as in tarfile.
+        let s = pax(b"16 path=x/y.bin\n\0\0\0\0").unwrap();
+        assert_eq!((s[0].key.as_str(), &*s[0].fields[0].0), ("x/y", "bin"));
+        for (records, why) in [
+            (
+                &b"99 path=x/y.bin\n"[..],
+                "a PAX record's length does not fit its header",
+            ),
+            (
+                b"0 path=x\n",
+                "a PAX record's length does not fit its header",
+            ),
+            (b"17 path=x/y.bin  ", "malformed PAX record"),
+            (b"11 pathxxx\n", "malformed PAX record"),
+            (b"11 size=+3\n", "invalid PAX size record"),
+        ] {
+            let err = pax(records).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!("u: not a valid tar file: {why}"),
+                "{records:?}"
+            );
+        }
     }
 
     #[test]
