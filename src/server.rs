@@ -168,6 +168,7 @@ async fn send_and_close(
     let _ = tokio::time::timeout(ERROR_WRITE_TIMEOUT, async {
         wr.write_all(reply).await?;
         wr.shutdown().await?;
+        // 17 reads of up to 4 KiB: at least a whole handshake (8 + 5 + 64 KiB) if it comes.
         let mut sink = [0u8; 4096];
         for _ in 0..17 {
             if rd.read(&mut sink).await? == 0 {

@@ -207,12 +207,15 @@ impl<'a> Members<'a> {
             if kind.is_gnu_longname() {
                 long_name = Some(&body[..body.iter().position(|b| *b == 0).unwrap_or(body.len())]);
             } else if kind.is_pax_local_extensions() {
-                for ext in tar::PaxExtensions::new(body) {
-                    let ext = ext?;
-                    match ext.key_bytes() {
-                        b"path" => pax_path = Some(ext.value_bytes()),
-                        b"size" => {
-                            pax_size = ext.value().ok().and_then(|v| v.parse().ok());
+                for record in PaxRecords(body) {
+                    match record? {
+                        (b"path", value) => pax_path = Some(value),
+                        (b"size", value) => {
+                            let digits = !value.is_empty() && value.iter().all(u8::is_ascii_digit);
+                            pax_size = std::str::from_utf8(value)
+                                .ok()
+                                .filter(|_| digits)
+                                .and_then(|v| v.parse().ok());
                             if pax_size.is_none() {
                                 return Err(bad("invalid PAX size record").into());
                             }
@@ -231,6 +234,40 @@ impl<'a> Members<'a> {
                 }));
             }
         }
+    }
+}
+
+/// The records of a PAX extended header, `"%d %s=%s\n"`, read by their length as tarfile
+/// does, so a value may hold newlines (the `tar` crate splits at newlines and refused such a
+/// path). Like tarfile, the records end at the first bytes that do not start one (`\d+ `),
+/// such as padding. Stricter than tarfile: a record that runs past the data, or lacks its
+/// `=` or final newline, is an error rather than a guess. Linear in the data.
+struct PaxRecords<'a>(&'a [u8]);
+
+impl<'a> Iterator for PaxRecords<'a> {
+    type Item = io::Result<(&'a [u8], &'a [u8])>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let rest = self.0;
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits == 0 || rest.get(digits) != Some(&b' ') {
+            return None;
+        }
+        self.0 = &[]; // an error ends the records
+        let len = std::str::from_utf8(&rest[..digits])
+            .ok()
+            .and_then(|d| d.parse::<usize>().ok())
+            .filter(|len| (digits + 2..=rest.len()).contains(len));
+        let Some(len) = len else {
+            return Some(Err(bad("a PAX record's length does not fit its header")));
+        };
+        let record = &rest[digits + 1..len];
+        let (Some(eq), Some(b'\n')) = (record.iter().position(|b| *b == b'='), record.last())
+        else {
+            return Some(Err(bad("malformed PAX record")));
+        };
+        self.0 = &rest[len..];
+        Some(Ok((&record[..eq], &record[eq + 1..record.len() - 1])))
     }
 }
 
@@ -280,34 +317,39 @@ fn bad(msg: &str) -> io::Error {
 }
 
 /// webdataset's metadata filter: a first path component like `__meta__` (or a top-level
-/// name starting and ending with `__`) is not sample data.
+/// name starting and ending with `__`) is not sample data. Its regex, `__[^/]*__($|/)`, is
+/// Python's, whose `$` also matches before a final newline.
 fn is_meta(name: &str) -> bool {
     match name.split_once('/') {
-        None => name.starts_with("__") && name.ends_with("__"),
+        None => {
+            (name.starts_with("__") && name.ends_with("__"))
+                || (name.len() >= 5 && name.starts_with("__") && name.ends_with("__\n"))
+        }
         Some((first, _)) => first.len() >= 4 && first.starts_with("__") && first.ends_with("__"),
     }
 }
 
-/// webdataset's `base_plus_ext`, i.e. the regex `^((?:.*/|)[^.]+)[.]([^/]*)$`, without a regex:
-/// the key ends at the first dot of the file name. When the file name starts with a dot, the
-/// regex backtracks and the key is the directory part (with its trailing slash), provided the
-/// last directory component has no dot.
+/// webdataset's `base_plus_ext`, i.e. the Python regex `^((?:.*/|)[^.]+)[.]([^/]*)$`, without
+/// a regex. The field follows the first dot after the last `/`. The key before it is `.*/`
+/// then `[^.]+`: the regex tries `.*/` longest first (ending after a `/` before any newline,
+/// since `.` does not match one), then empty, and the part after it may hold no dot. So a key
+/// is usually everything up to the file name's first dot, and a file name starting with a dot
+/// takes its directory into the key. Linear in the name (names can be 64 KiB PAX paths).
 fn split_name(name: &str) -> Option<(&str, &str)> {
-    let file_start = name.rfind('/').map_or(0, |i| i + 1);
-    let dot = file_start + name[file_start..].find('.')?;
-    if dot > file_start {
-        return Some((&name[..dot], &name[dot + 1..]));
+    let file = name.rfind('/').map_or(0, |i| i + 1);
+    let dot = file + name[file..].find('.')?;
+    let dir_dot = name[..file].rfind('.');
+    let first_line = &name[..name.find('\n').unwrap_or(name.len())];
+    let starts = first_line.rmatch_indices('/').map(|(i, _)| i + 1);
+    for start in starts.chain(std::iter::once(0)) {
+        if dir_dot.is_some_and(|d| start <= d) {
+            return None; // `[^.]+` would have to cross that dot, here and for every shorter `.*/`
+        }
+        if dot > start {
+            return Some((&name[..dot], &name[dot + 1..]));
+        }
     }
-    // The file name starts with a dot: `[^.]+` has to reach back over the last slash.
-    if file_start == 0 {
-        return None;
-    }
-    let dir = &name[..file_start - 1];
-    let last_dir = &dir[dir.rfind('/').map_or(0, |i| i + 1)..];
-    if last_dir.contains('.') {
-        return None;
-    }
-    Some((&name[..file_start], &name[dot + 1..]))
+    None
 }
 
 #[cfg(test)]
@@ -357,9 +399,39 @@ mod tests {
             ("a.", Some(("a", ""))),
             ("a//.x", Some(("a//", "x"))),
             ("x/y.z/w/.q", Some(("x/y.z/w/", "q"))),
+            // Newlines: `.` does not match one (issue 8, found by the tar fuzz target).
+            ("30 path=a/very/long/name.jpg\n0/k.jpg", None),
+            ("a\nb/c.d", Some(("a\nb/c", "d"))),
+            ("a/b\nc/d.e", Some(("a/b\nc/d", "e"))),
+            ("x.y\n/z.w", None),
+            ("a/b.c\n", Some(("a/b", "c\n"))),
+            ("d\n/.e", Some(("d\n/", "e"))),
+            ("a/\n/.e", Some(("a/\n/", "e"))),
+            ("a.b/c\nd.e", Some(("a.b/c\nd", "e"))),
+            ("a\n.b", Some(("a\n", "b"))),
+            ("\n/x.y", Some(("\n/x", "y"))),
+            ("a/b/c\nd/e.f", Some(("a/b/c\nd/e", "f"))),
         ];
         for (name, want) in cases {
             assert_eq!(split_name(name), *want, "{name}");
+        }
+    }
+
+    #[test]
+    fn meta_names_match_webdataset() {
+        // Expected values computed with webdataset's tar_file_iterator rules.
+        for (name, meta) in [
+            ("__x.y__\n", true),
+            ("__x__\n", true),
+            ("__a.b__", true),
+            ("__\n__/x.jpg", true),
+            ("__x.y__\nz", false),
+            ("__a__\n/b.c", false),
+            ("___.x", false),
+            ("__", true),
+            ("__index__/x.json", true),
+        ] {
+            assert_eq!(is_meta(name), meta, "{name:?}");
         }
     }
 
@@ -492,6 +564,57 @@ mod tests {
         assert_eq!(s.len(), 1);
         assert_eq!(s[0].key, format!("dir/{}", "n".repeat(120)));
         assert_eq!(&s[0].fields[0].1[..], b"hello");
+    }
+
+    /// Issue 8 (fuzzing, `tar` target against its reference walk): a PAX path holding a
+    /// newline was refused ("malformed pax extension": the `tar` crate splits records at
+    /// newlines), though PAX records are length-prefixed for this and tarfile reads them.
+    #[test]
+    fn pax_records_are_read_by_length() {
+        let pax = |records: &[u8]| {
+            let mut b = tar::Builder::new(Vec::new());
+            let mut h = tar::Header::new_ustar();
+            h.set_size(records.len() as u64);
+            h.set_entry_type(tar::EntryType::XHeader);
+            h.set_cksum();
+            b.append(&h, records).unwrap();
+            let mut h = tar::Header::new_ustar();
+            h.set_size(3);
+            h.set_path("short.txt").unwrap();
+            h.set_cksum();
+            b.append(&h, &b"abc"[..]).unwrap();
+            parse(
+                &ShardBytes::heap(Bytes::from(b.into_inner().unwrap())),
+                &Arc::from("u"),
+            )
+        };
+        // A record's length counts the whole record, its own digits included.
+        let s = pax(b"16 path=a\nb/c.d\n").unwrap();
+        assert_eq!(s[0].key, "a\nb/c");
+        assert_eq!(&s[0].fields[0].1[..], b"abc");
+        // Padding after the records ends them, as in tarfile.
+        let s = pax(b"16 path=x/y.bin\n\0\0\0\0").unwrap();
+        assert_eq!((s[0].key.as_str(), &*s[0].fields[0].0), ("x/y", "bin"));
+        for (records, why) in [
+            (
+                &b"99 path=x/y.bin\n"[..],
+                "a PAX record's length does not fit its header",
+            ),
+            (
+                b"0 path=x\n",
+                "a PAX record's length does not fit its header",
+            ),
+            (b"17 path=x/y.bin  ", "malformed PAX record"),
+            (b"11 pathxxx\n", "malformed PAX record"),
+            (b"11 size=+3\n", "invalid PAX size record"),
+        ] {
+            let err = pax(records).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!("u: not a valid tar file: {why}"),
+                "{records:?}"
+            );
+        }
     }
 
     #[test]

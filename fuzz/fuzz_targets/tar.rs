@@ -3,8 +3,8 @@
 //! - 512-byte headers; the checksum is the unsigned or the signed sum of the header bytes;
 //!   an all-zero block or the end of the data ends the archive; data is padded to 512;
 //! - GNU long names (`L`) and PAX records (`x`: `path`, `size`; records parsed by their
-//!   length prefix, as tarfile does) describe the next member that is not itself such an
-//!   extension header; `K` and `g` are skipped;
+//!   length prefix, as tarfile does, so values may hold newlines) describe the next member
+//!   that is not itself such an extension header; `K` and `g` are skipped;
 //! - members of type `0`, NUL or `7` are files; `S` (sparse) is refused; others are skipped;
 //! - key and field come from webdataset's own regex, `^((?:.*/|)[^.]+)[.]([^/]*)$`, and its
 //!   metadata rules skip the same names.
@@ -61,7 +61,9 @@ fn sums(block: &[u8]) -> (i64, i64) {
     (u, s)
 }
 
-/// tarfile's `_proc_pax` record loop: `"%d %s=%s\n"`, the length counting the whole record.
+/// tarfile's `_proc_pax` record loop: `"%d %s=%s\n"`, the length counting the whole record;
+/// it ends where the bytes stop looking like a record (`\d+ `), e.g. at padding. Where
+/// tarfile would guess (a record past the data, no `=` or newline), shardd refuses.
 fn pax_records(body: &[u8]) -> Result<Vec<(&[u8], &[u8])>, Failure> {
     let mut out = Vec::new();
     let mut pos = 0;
@@ -69,11 +71,13 @@ fn pax_records(body: &[u8]) -> Result<Vec<(&[u8], &[u8])>, Failure> {
         let rest = &body[pos..];
         let space = rest
             .iter()
-            .position(|b| *b == b' ')
-            .ok_or(Failure::Invalid)?;
+            .position(|b| !b.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if space == 0 || rest.get(space) != Some(&b' ') {
+            break;
+        }
         let len: usize = std::str::from_utf8(&rest[..space])
             .ok()
-            .filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()))
             .and_then(|t| t.parse().ok())
             .ok_or(Failure::Invalid)?;
         if len <= space + 1 || len > rest.len() || rest[len - 1] != b'\n' {
