@@ -374,6 +374,14 @@ async fn serve(
             // A frame may be cut off mid-way: nothing more can be said on this socket.
             Ok(())
         }
+        // The stream saw the shutdown before this task did.
+        Some(Err(StreamError::Shutdown)) => {
+            metrics
+                .streams_total
+                .with_label_values(&[&dataset.name, "cancelled"])
+                .inc();
+            Err(refuse("shutdown", "the daemon is shutting down"))
+        }
         Some(Err(e)) => {
             metrics
                 .streams_total
