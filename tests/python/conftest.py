@@ -2,12 +2,14 @@
 API endpoint on loopback), shards written by webdataset's own TarWriter."""
 
 import io
+import json
 import os
 import pathlib
 import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -402,3 +404,24 @@ def tar_of(samples):
         for s in samples:
             sink.write(s)
     return buf.getvalue()
+
+
+def raw_exchange(path, data, timeout=30):
+    """Sends raw bytes, returns everything the daemon answers until it closes."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def error_frame(reply):
+    """The daemon's preamble (protocol 2) then one ERROR frame and nothing after it: its JSON."""
+    assert reply[:8] == b"SHARDD\x02\x00", reply[:16]
+    length, kind = struct.unpack_from("<IB", reply, 8)
+    assert kind == 5, f"kind {kind}"
+    assert len(reply) == 13 + length, "nothing after the ERROR frame"
+    return json.loads(reply[13:])

@@ -1,14 +1,12 @@
 """Bad input gets a clear error, and the daemon keeps serving everyone else."""
 
-import json
-import socket
 import struct
 import subprocess
 
 import pytest
 import shardd
 
-from conftest import SHARDD, TESTDATA, gcs_config, reference_samples, wait_for
+from conftest import SHARDD, TESTDATA, error_frame, gcs_config, raw_exchange, reference_samples, wait_for
 
 
 @pytest.fixture
@@ -144,25 +142,6 @@ def test_gzip_bomb_is_refused(make_daemon, tmp_path):
     ), str(e.value)
     assert list((d.dir / "cache" / "tmp").iterdir()) == []
     assert d.metric("shardd_cache_bytes") == 0
-
-
-def raw_exchange(path, data):
-    """Sends raw bytes, returns everything the daemon answers until it closes."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(str(path))
-        s.sendall(data)
-        chunks = []
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-
-def error_frame(reply):
-    assert reply[:8] == b"SHARDD\x02\x00", reply[:8]  # the daemon speaks protocol 2
-    length, kind = struct.unpack_from("<IB", reply, 8)
-    assert kind == 5, f"kind {kind}"
-    return json.loads(reply[13 : 13 + length])
 
 
 @pytest.mark.parametrize(

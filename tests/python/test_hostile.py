@@ -11,7 +11,7 @@ import threading
 import pytest
 import shardd
 
-from conftest import BUCKET, gcs_config, reference_samples, wait_for
+from conftest import BUCKET, error_frame, gcs_config, raw_exchange, reference_samples, wait_for
 
 PREAMBLE = b"SHARDD\x02\x00"  # what a protocol-2 client sends, and what the daemon answers
 
@@ -32,26 +32,6 @@ class GoodStream:
         got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in self.got}
         assert len(got) == len(self.got), "a sample arrived twice"
         assert got == self.want
-
-
-def exchange(path, data, timeout=30):
-    """Sends raw bytes, returns everything the daemon answers until it closes."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        s.sendall(data)
-        chunks = []
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-
-def preamble_then_error(reply):
-    assert reply[:8] == PREAMBLE, reply[:16]
-    length, kind = struct.unpack_from("<IB", reply, 8)
-    assert kind == 5, f"kind {kind}"
-    assert len(reply) == 13 + length, "nothing after the ERROR frame"
-    return json.loads(reply[13:])
 
 
 def request(**fields):
@@ -113,7 +93,7 @@ def test_a_slow_handshake_gets_the_preamble_then_the_timeout_error(make_daemon, 
     socket" from "refused"; a handshake that does not complete in time is refused."""
     d = make_daemon(gcs_config(fake_gcs), server='handshake_timeout = "300ms"')
     good = GoodStream(d, train_paths)
-    err = preamble_then_error(exchange(d.socket, sent))
+    err = error_frame(raw_exchange(d.socket, sent))
     assert err == {
         "code": "bad_handshake",
         "message": "no complete request within server.handshake_timeout (300ms)",
