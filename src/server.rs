@@ -183,7 +183,7 @@ async fn send_and_close(
 async fn serve(
     rd: &mut tokio::net::unix::OwnedReadHalf,
     wr: &mut tokio::net::unix::OwnedWriteHalf,
-    daemon: &Daemon,
+    daemon: &Arc<Daemon>,
     shutdown: &CancellationToken,
     peer: Option<tokio::net::unix::UCred>,
     preamble_sent: &mut bool,
@@ -221,7 +221,8 @@ async fn serve(
         worker: req.worker,
         num_workers: req.num_workers,
     };
-    let plan = plan::plan_stream(dataset.shape(), config.host, &stream_req)
+    let (plan, next_epoch) = plan_off_runtime(daemon, &req.dataset, stream_req)
+        .await
         .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
     if let Some(samples) = plan.samples
         && req.start > samples
@@ -234,19 +235,9 @@ async fn serve(
             ),
         ));
     }
-    // The prefetcher follows this stream into the same stream's next epoch.
-    let next_epoch = req.epoch.checked_add(1).map(|epoch| {
-        let next = StreamRequest {
-            epoch,
-            ..stream_req
-        };
-        plan::plan_stream(dataset.shape(), config.host, &next)
-            .map(|p| p.shards().collect::<Vec<_>>())
-            .unwrap_or_default()
-    });
     let schedule_shards = plan
         .shards()
-        .chain(next_epoch.into_iter().flatten())
+        .chain(next_epoch)
         .map(|i| dataset.shards[i].clone())
         .collect();
     let schedule = daemon.streams.plans.open(
@@ -400,6 +391,36 @@ async fn serve(
 }
 
 /// Reads the client's preamble and REQUEST, answering with ours in between.
+/// Plans the stream's epoch and, for the prefetcher, the shards of the same stream's next
+/// epoch (none past the last epoch or when it cannot be planned). Planning walks the host's
+/// share, O(shards), so it runs on the blocking pool: a client asking for a large dataset must
+/// not hold up the runtime threads every other stream is served from.
+async fn plan_off_runtime(
+    daemon: &Arc<Daemon>,
+    dataset: &str,
+    req: StreamRequest,
+) -> Result<(plan::StreamPlan, Vec<usize>), plan::PlanError> {
+    let daemon = Arc::clone(daemon);
+    let dataset = dataset.to_owned();
+    let work = move || {
+        let (config, d) = (&daemon.config, &daemon.config.datasets[&dataset]);
+        let plan = plan::plan_stream(d.shape(), config.host, &req)?;
+        let next = req
+            .epoch
+            .checked_add(1)
+            .and_then(|epoch| {
+                let next = StreamRequest { epoch, ..req };
+                plan::plan_stream(d.shape(), config.host, &next).ok()
+            })
+            .map(|p| p.shards().collect())
+            .unwrap_or_default();
+        Ok((plan, next))
+    };
+    tokio::task::spawn_blocking(work)
+        .await
+        .expect("planning does not panic")
+}
+
 async fn handshake(
     rd: &mut tokio::net::unix::OwnedReadHalf,
     wr: &mut tokio::net::unix::OwnedWriteHalf,
