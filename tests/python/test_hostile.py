@@ -172,6 +172,38 @@ def test_absurd_requests_are_served_or_refused_clearly_with_bounded_memory(make_
     good.finish()
 
 
+def test_a_stream_inherited_across_fork_is_refused_in_the_child(make_daemon, fake_gcs, train_paths):
+    """A trainer that forks with a stream open: the child's copy refuses to read (it would
+    take part of the parent's bytes), even samples already decoded, and the parent's stream
+    completes byte for byte."""
+    import os
+
+    d = make_daemon(gcs_config(fake_gcs))
+    good = GoodStream(d, train_paths)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what reading does, and leave without running pytest's exit
+        outcome = "nothing"
+        try:
+            next(good.stream)
+            outcome = "read a sample"
+        except shardd.ForkedStreamError as e:
+            outcome = str(e)
+        except BaseException as e:
+            outcome = f"{type(e).__name__}: {e}"
+        finally:
+            os.write(write, outcome.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        outcome = f.read().decode()
+    os.waitpid(pid, 0)
+    assert outcome == (f"this shardd stream was opened in process {os.getpid()} and inherited "
+                       f"across fork by process {pid}: open streams in the process that reads "
+                       f"them (after the fork)")
+    good.finish()
+
+
 def test_the_daemon_lifts_its_open_files_limit(make_daemon, fake_gcs):
     """Each connection holds a socket, a pipe and shard files: the daemon raises its soft
     open-files limit to the hard one (through rustix, not raw libc)."""

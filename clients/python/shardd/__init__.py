@@ -1,6 +1,6 @@
 """Python client for shardd, the per-host WebDataset streaming daemon."""
 
-from .client import Client, DaemonError, Error, ProtocolError, Stream
+from .client import Client, DaemonError, Error, ForkedStreamError, ProtocolError, Stream
 
-__all__ = ["Client", "Stream", "Error", "DaemonError", "ProtocolError"]
+__all__ = ["Client", "Stream", "Error", "DaemonError", "ForkedStreamError", "ProtocolError"]
 __version__ = "0.1.0"

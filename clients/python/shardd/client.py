@@ -9,6 +9,7 @@ runs ahead into a large piece.
 """
 
 import json
+import os
 import socket
 import struct
 import weakref
@@ -50,6 +51,28 @@ class DaemonError(Error):
 
 class ProtocolError(Error):
     """The peer did not follow the protocol (not a shardd socket, a cut connection, ...)."""
+
+
+class ForkedStreamError(Error, RuntimeError):
+    """A stream opened in one process was read in another after ``fork``: the two processes
+    would share one socket and each get part of the bytes. Open streams after the fork, in the
+    process that reads them."""
+
+    def __init__(self, message):  # one argument: torch re-raises a worker's error as type(text)
+        super().__init__(message)
+
+
+# Every open stream, so that a forked child can disown the ones it inherited.
+_LIVE = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for s in list(_LIVE):
+        s._inherited()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Client:
@@ -117,6 +140,8 @@ class Stream:
         self._pos = 0
         self._base = 0
         self.end = None
+        self._forked_from = None  # the pid that opened the stream, once inherited by a child
+        _LIVE.add(self)
         try:
             self._sock.connect(socket_path)
             body = json.dumps(request).encode()
@@ -152,6 +177,11 @@ class Stream:
             self._pos += 1
             return sample
         if self.end is not None or self._sock is None:
+            if self._forked_from is not None:
+                raise ForkedStreamError(
+                    f"this shardd stream was opened in process {self._forked_from} and inherited "
+                    f"across fork by process {os.getpid()}: open streams in the process that "
+                    f"reads them (after the fork)")
             raise StopIteration
         try:
             return self._next_batch()
@@ -190,8 +220,18 @@ class Stream:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            _LIVE.discard(self)
             if self._on_close is not None:
                 self._on_close(self)
+
+    def _inherited(self):
+        """In a child after fork: close this process's copy of the socket (the parent's
+        connection stays open) and refuse to read on. Checked only once the samples already
+        decoded are gone, so the per-sample path costs nothing."""
+        if self._sock is not None:
+            self._forked_from = os.getppid()
+            self._pending, self._pos = [], 0
+            self.close()
 
     def __enter__(self):
         return self

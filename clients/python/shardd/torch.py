@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.utils.data
 
-from .client import Client, DaemonError, ProtocolError
+from .client import Client, DaemonError, ForkedStreamError, ProtocolError
 
 __all__ = [
     "ShardDataset",
@@ -49,13 +49,6 @@ class PlanMismatch(RuntimeError):
     synchronous job or repeat and skip samples."""
 
     def __init__(self, message):  # ``message=``: a DataLoader re-raises it as itself
-        super().__init__(message)
-
-
-class ForkedStreamError(RuntimeError):
-    """A stream iterator opened in one process was used in another after ``fork``."""
-
-    def __init__(self, message):
         super().__init__(message)
 
 
