@@ -40,7 +40,10 @@ class FaultProxy:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self):
-                proxy._handle(self.request)
+                try:
+                    proxy._handle(self.request)
+                except ConnectionError:
+                    pass  # the daemon went away (killed, or it gave up on a stalled answer)
 
         self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

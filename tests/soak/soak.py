@@ -35,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -67,7 +66,8 @@ def log(msg):
 
 def write_shards(directory, n, rng):
     """``n`` shards by webdataset.TarWriter, 20-40 samples each, fields from 200 B to 64 KB
-    (log-uniform) and a few of 300 KB. Returns {key: digest} as webdataset reads them back."""
+    (log-uniform) and a few of 300 KB. Returns {key: (digest, bytes)} as webdataset reads them
+    back."""
     directory.mkdir(parents=True)
     for i in range(n):
         with wds.TarWriter(str(directory / f"shard-{i:04d}.tar")) as sink:
@@ -76,7 +76,8 @@ def write_shards(directory, n, rng):
                 sink.write({"__key__": f"s{i:04d}/{j:03d}", "bin": rng.randbytes(size),
                             "cls": str(rng.randint(0, 999)).encode()})
     urls = sorted(str(p) for p in directory.glob("*.tar"))
-    return {s["__key__"]: digest(s) for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False)}
+    return {s["__key__"]: (digest(s), sum(len(v) for k, v in s.items() if not k.startswith("__")))
+            for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False)}
 
 
 def start_fake_gcs(data, logdir):
@@ -143,6 +144,7 @@ class Daemon:
         self.starts = 0
         self.restarting = None  # the thread starting it again after a kill
         self.start_errors = []
+        self.cpu = {}
         self.start()
 
     def start(self):
@@ -198,9 +200,13 @@ class Daemon:
         return "\n".join(text[-lines:])
 
     def resources(self):
-        """(rss bytes, open fds, threads) of the running daemon, or None."""
+        """(rss bytes, open fds, threads) of the running daemon, or None. Also notes its CPU
+        seconds so far (``cpu``: pid -> seconds; a killed daemon keeps its last sample)."""
         pid = self.proc.pid
         try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+            ticks = sum(int(x) for x in stat.rsplit(")", 1)[1].split()[11:13])  # utime, stime
+            self.cpu[pid] = ticks / os.sysconf("SC_CLK_TCK")
             status = pathlib.Path(f"/proc/{pid}/status").read_text()
             fds = len(os.listdir(f"/proc/{pid}/fd"))
         except OSError:
@@ -263,16 +269,6 @@ def reference_stream(ref_daemon, dataset, epoch, rank, world, worker, workers, s
         s = c.stream(dataset, epoch=epoch, rank=rank, world_size=world, worker=worker,
                      num_workers=workers, seed=seed)
         return [x["__key__"] for x in s], s.dropped
-
-
-def metric_sum(port, name):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-               if l.startswith(name + " ") or l.startswith(name + "{"))
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -387,7 +383,9 @@ def main():
         if dm.busy():
             dm.restarting.join()
         failures.extend(f"host {h}: {e}" for e in dm.start_errors)
-    served = sum(metric_sum(dm.metrics_port, "shardd_bytes_sent_total") for dm in daemons)
+    for dm in daemons:
+        dm.resources()  # the last CPU figures
+    cpu = sum(sum(dm.cpu.values()) for dm in daemons)
     for h, dm in enumerate(daemons):
         code = dm.stop()
         if code != 0:
@@ -401,7 +399,7 @@ def main():
     log("checking every completed stream against webdataset and a fault-free daemon")
     refs = [Daemon(args.shardd, *host_config("reference", h, gcs.endpoint, "10GiB")) for h in range(H)]
     completed = byte_equal = in_order = 0
-    total_samples = 0
+    total_samples = total_bytes = 0
     per_epoch = collections.defaultdict(list)  # (dataset, epoch) -> [(keys, dropped, host)]
     for path in sorted(out.glob("*.log")):
         dataset, r, w, e = path.stem.split("-")
@@ -411,7 +409,8 @@ def main():
             continue
         completed += 1
         total_samples += len(keys)
-        bad = [k for k, dg in zip(keys, digests) if reference.get(k) != dg]
+        bad = [k for k, dg in zip(keys, digests) if reference.get(k, ("",))[0] != dg]
+        total_bytes += sum(reference[k][1] for k in keys if k in reference)
         if bad:
             failures.append(f"{path.name}: {len(bad)} samples differ from webdataset's, e.g. {bad[0]}")
         else:
@@ -491,8 +490,9 @@ def main():
           + f"; {proxy.bytes / MiB:.0f} MiB of bodies")
     print(f"  kills     {kills['daemon']} daemons, {kills['reader']} readers (SIGKILL); "
           f"{reconnects} stream reconnects; daemon errors {dict(error_kinds) or 'none'}")
-    print(f"  served    {total_samples} samples in completed streams; {served / MiB:.0f} MiB "
-          f"since the daemons' last starts")
+    print(f"  served    {total_samples} samples, {total_bytes / 2**30:.1f} GiB in completed streams; "
+          f"daemons' CPU {cpu:.0f} s ({cpu / max(total_bytes / 1e9, 1e-9):.2f} s per GB; the killed "
+          f"ones' last second not counted)")
     print(f"  streams   {completed} completed: {byte_equal} byte-equal to webdataset, "
           f"{in_order} in the fault-free daemon's order; exact epochs {exact_ok}/{exact_epochs} "
           f"hold every sample once but the dropped")
