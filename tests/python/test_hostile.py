@@ -7,11 +7,12 @@ import re
 import socket
 import struct
 import threading
+import urllib.request
 
 import pytest
 import shardd
 
-from conftest import BUCKET, error_frame, gcs_config, raw_exchange, reference_samples, wait_for
+from conftest import BIG_SAMPLE, BUCKET, error_frame, gcs_config, raw_exchange, reference_samples, wait_for
 
 PREAMBLE = b"SHARDD\x02\x00"  # what a protocol-2 client sends, and what the daemon answers
 
@@ -170,6 +171,52 @@ def test_absurd_requests_are_served_or_refused_clearly_with_bounded_memory(make_
     # its numbers would need gigabytes.
     assert vm_hwm(d.proc.pid) - before < 64 << 20
     good.finish()
+
+
+def rss_anon(pid):
+    """Anonymous resident memory of a process (heap, buffers; not the mapped cache files)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"RssAnon:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def test_streams_that_never_read_are_bounded_then_cut_off(make_daemon, fake_gcs, train_paths):
+    """Clients that ask for a stream of 8 MB samples and never read a byte: each stream blocks
+    once its socket buffer is full, pinning only the shards it is sending (shared by all of
+    them) and little memory of its own; after server.stall_timeout every one is ended and its
+    pins released. The well-behaved stream (smaller than a socket buffer, so it is never the
+    one waiting) completes byte for byte."""
+    first, more = 4, 60
+    d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "3s"\nmax_connections = 128')
+    good = GoodStream(d, train_paths)
+    silent = []
+
+    def open_silent(n):
+        for _ in range(n):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(d.socket))
+            s.sendall(PREAMBLE + request(dataset="big"))
+            silent.append(s)
+        wait_for(lambda: blocked() == len(silent), "every silent stream to block on its client")
+
+    def blocked():
+        with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/status", timeout=5) as r:
+            streams = json.load(r)["streams"]
+        return sum(s["waiting_on"] == "client" and s["dataset"] == "big" for s in streams)
+
+    # The first few load the shards and the download buffers; the rest cost only themselves.
+    open_silent(first)
+    before = rss_anon(d.proc.pid)
+    open_silent(more)
+    per_stream = (rss_anon(d.proc.pid) - before) / more
+    # All of them send the same plan: at most three 8 MB shards pinned, mapped from the cache.
+    assert d.metric("shardd_cache_pinned_bytes") <= 3 * (BIG_SAMPLE + (64 << 10))
+    good.finish()
+    wait_for(lambda: d.metric("shardd_streams_stalled_total") == first + more, "the stall timeout")
+    assert d.metric("shardd_cache_pinned_bytes") == 0
+    wait_for(lambda: d.metric("shardd_connections_active") == 0, "the connections to close")
+    for s in silent:
+        s.close()
+    assert per_stream < 256 << 10, f"a blocked stream holds {per_stream:.0f} bytes of heap"
 
 
 def test_a_stream_inherited_across_fork_is_refused_in_the_child(make_daemon, fake_gcs, train_paths):
