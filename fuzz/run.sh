@@ -8,13 +8,15 @@
 #   fuzz/run.sh --seeds      build, then run each target once on each committed seed (CI)
 #
 # Needs cargo-fuzz (`cargo install cargo-fuzz`); works on stable Rust (RUSTC_BOOTSTRAP=1).
+# Built with debug assertions and overflow checks (-a): an overflow that a release build
+# would wrap silently is a finding.
 set -uo pipefail
 cd "$(dirname "$0")"
 export RUSTC_BOOTSTRAP=1
 if [ "${1:-}" = --seeds ]; then
-    cargo fuzz build || exit 1
+    cargo fuzz build -a || exit 1
     for t in $(cargo fuzz list); do
-        cargo fuzz run "$t" seeds/"$t"/* -- -runs=1 >/dev/null 2>logs.seeds || {
+        cargo fuzz run -a "$t" seeds/"$t"/* -- -runs=1 >/dev/null 2>logs.seeds || {
             cat logs.seeds; rm -f logs.seeds; echo "fuzz target $t fails on a committed seed"; exit 1
         }
         echo "fuzz target $t: $(ls seeds/"$t" | wc -l) seeds pass"
@@ -27,7 +29,7 @@ shift || true
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || mapfile -t targets < <(cargo fuzz list)
 
-cargo fuzz build || exit 1
+cargo fuzz build -a || exit 1
 mkdir -p logs
 failed=0
 printf '%-16s %12s %8s %8s  %s\n' target execs exec/s corpus result
@@ -39,7 +41,7 @@ for t in "${targets[@]}"; do
         tar) dict=(-dict=dicts/tar.dict) ;;
         braces) dict=(-dict=dicts/braces.dict) ;;
     esac
-    cargo fuzz run "$t" "corpus/$t" "seeds/$t" -- \
+    cargo fuzz run -a "$t" "corpus/$t" "seeds/$t" -- \
         -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
         "${dict[@]}" >"logs/$t.log" 2>&1
     rc=$?

@@ -13,6 +13,7 @@ use bytes::Bytes;
 use futures::executor::block_on;
 use shardd::braces::{self, BraceError};
 use shardd::config::Config;
+use shardd::manifest::Manifest;
 use shardd::protocol::{self, MAX_CLIENT_FRAME};
 
 struct Capped;
@@ -155,4 +156,26 @@ fn absurd_config_values_are_errors() {
             .to_string();
         assert_eq!(err, want);
     }
+}
+
+/// `manifest` target: sample counts or sizes whose sum passes u64 overflowed while checking
+/// the totals (a panic in debug builds, a wrapped total that could pass in release).
+#[test]
+fn manifest_totals_past_u64_are_an_error() {
+    let entry = |name: &str| {
+        format!(
+            r#"{{"url": "s3://b/{name}.tar", "size": 9223372036854775808, "e_tag": null,
+                "generation": null, "crc32c": 0, "samples": 9223372036854775808}}"#
+        )
+    };
+    let text = format!(
+        r#"{{"format": 1, "shards": [{}, {}], "total_samples": 0, "total_bytes": 0}}"#,
+        entry("a"),
+        entry("b")
+    );
+    let err = Manifest::parse(text.as_bytes(), "gs://b/m.json").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "manifest gs://b/m.json: its totals do not add up"
+    );
 }

@@ -126,11 +126,31 @@ def configs():
     out("config", "two-datasets", b'[cache]\nrevalidate = "0s"\nmax_size = "1.5 GiB"\n[datasets.a]\nshards = ["/x/a-{0..3}.tar", "s3://b/c.tar"]\nshuffle_buffer = 1\n[datasets.b]\nshards = "file:///x/b.tgz"\nwarm = true\n')
 
 
+def manifests():
+    def entry(url, size, samples, e_tag='"KhoKeG2qsf/rPOyN0m4CIQ=="', generation="1795361585273474"):
+        return {"url": url, "size": size, "e_tag": e_tag, "generation": generation,
+                "crc32c": 1580234032, "samples": samples}
+
+    def manifest(shards, **totals):
+        m = {"format": 1, "shards": shards,
+             "total_samples": sum(e["samples"] for e in shards), "total_bytes": sum(e["size"] for e in shards)}
+        return json.dumps({**m, **totals}, indent=2).encode()
+
+    two = [entry("gs://bkt/train/train-000000.tar", 604160, 30),
+           entry("/data/train-000001.tar", 1095680, 37, e_tag="local:1234:1700000000000000000", generation=None)]
+    out("manifest", "two", manifest(two))
+    out("manifest", "empty", manifest([]))
+    out("manifest", "twice", manifest([two[0], two[0]]))
+    out("manifest", "totals-wrong", manifest(two, total_samples=66))
+    out("manifest", "huge-counts", manifest([entry("s3://b/a.tar", 2**63, 2**63), entry("s3://b/b.tar", 2**63, 2**63)],
+                                            total_samples=0, total_bytes=0))
+
+
 if __name__ == "__main__":
     for d in HERE.iterdir():
         if d.is_dir():
             shutil.rmtree(d)
-    frames(); batches(); tars(); braces(); configs()
+    frames(); batches(); tars(); braces(); configs(); manifests()
     for d in sorted(HERE.iterdir()):
         if d.is_dir():
             print(d.name, len(list(d.iterdir())), sum(f.stat().st_size for f in d.iterdir()))
