@@ -35,15 +35,28 @@ fuzz_target!(|data: &[u8]| {
     else {
         return;
     };
-    if shards.iter().zip(&m.shards).any(|(s, e)| s.as_str() != e.url) {
+    if shards
+        .iter()
+        .zip(&m.shards)
+        .any(|(s, e)| s.as_str() != e.url)
+    {
         return; // normalised (a relative path): not the manifest's own spelling
     }
     let current: Vec<_> = m.shards.iter().map(|e| e.version.clone()).collect();
-    let unique = m.shards.iter().map(|e| &e.url).collect::<HashSet<_>>().len() == m.shards.len();
+    let unique = m
+        .shards
+        .iter()
+        .map(|e| &e.url)
+        .collect::<HashSet<_>>()
+        .len()
+        == m.shards.len();
     match m.counts(URL, &shards, &current) {
         Ok(counts) => {
             assert!(unique);
-            assert_eq!(counts, m.shards.iter().map(|e| e.samples).collect::<Vec<_>>());
+            assert_eq!(
+                counts,
+                m.shards.iter().map(|e| e.samples).collect::<Vec<_>>()
+            );
         }
         Err(e) => assert!(!unique && e.to_string().contains("twice"), "{e}"),
     }
