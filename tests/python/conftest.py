@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import random
-import shutil
 import signal
 import socket
 import struct
@@ -109,7 +108,7 @@ def reference_samples(urls):
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("gcs-data")
-    paths = write_train_shards(root / BUCKET / "train")
+    write_train_shards(root / BUCKET / "train")
     write_mixed_shards(root / BUCKET / "mixed")
     big = root / BUCKET / "big"
     big.mkdir()
@@ -371,11 +370,12 @@ class CuttingProxy:
 
 @pytest.fixture
 def cutting_proxy(fake_gcs):
-    """Makes CuttingProxy instances in front of the session's fake-gcs-server."""
+    """Makes CuttingProxy instances in front of the session's fake-gcs-server (or another
+    loopback endpoint: ``upstream``)."""
     proxies = []
 
-    def make(match="", cuts=0, rate=None):
-        p = CuttingProxy(int(fake_gcs.rsplit(":", 1)[1]), match, cuts, rate)
+    def make(match="", cuts=0, rate=None, upstream=None):
+        p = CuttingProxy(int((upstream or fake_gcs).rsplit(":", 1)[1]), match, cuts, rate)
         proxies.append(p)
         return p
 

@@ -5,6 +5,7 @@ restarts and kill -9; nothing it does not trust is served."""
 import concurrent.futures
 import os
 import pathlib
+import random
 import re
 import subprocess
 import threading
@@ -13,7 +14,7 @@ import pytest
 import shardd
 
 from conftest import (
-    BIG_SHARDS, BUCKET, SHARDD, TRAIN_SHARDS, big_payload, gcs_config, reference_samples,
+    BIG_SHARDS, BUCKET, S3_CREDENTIALS_BOTO, S3_ENV, SHARDD, TRAIN_SHARDS, big_payload, gcs_config, reference_samples,
     tar_of, upload, wait_for,
 )
 
@@ -228,6 +229,54 @@ def test_a_replaced_object_is_fetched_again(make_daemon, fake_gcs):
     upload(fake_gcs, "mutable/r.tar", tar_of([v2]))
     assert read(d, dataset="r", epoch=2) == {"r": {"bin": v2["bin"]}}
     assert gets(d) == 2
+
+
+@pytest.mark.parametrize("store", ["gcs", "s3"])
+def test_an_object_replaced_mid_download_is_never_served_mixed(
+    make_daemon, fake_gcs, s3_endpoint, cutting_proxy, store
+):
+    """The object is replaced between two ranged GETs of one download. Each GET carries
+    If-Match with the ETag the download started from: S3 (moto) refuses the next part (412),
+    and the daemon starts over on the new version. fake-gcs-server ignores If-Match (checked:
+    it answers 200 to a wrong one), so there the second part is the new version's bytes, and
+    the MD5 check of the whole object (its ETag) catches the mix. Either way the new version
+    is served whole, never the first part of one version and the rest of the other."""
+    old = {"__key__": "m", "bin": random.Random(1).randbytes(3 << 20)}
+    new = {"__key__": "m", "bin": random.Random(2).randbytes(3 << 20)}
+    if store == "gcs":
+        endpoint, url, env = fake_gcs, f"gs://{BUCKET}/midway/m.tar", None
+        replace = lambda sample: upload(fake_gcs, "midway/m.tar", tar_of([sample]))  # noqa: E731
+    else:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", **S3_CREDENTIALS_BOTO)
+        endpoint, url, env = s3_endpoint, "s3://bkt3/midway/m.tar", S3_ENV
+        replace = lambda sample: s3.put_object(Bucket="bkt3", Key="midway/m.tar", Body=tar_of([sample]))  # noqa: E731
+    replace(old)
+    slow = cutting_proxy(rate=1 << 20, upstream=endpoint)  # a 1 MiB part takes a second
+    if store == "gcs":
+        section = f'[gcs]\nendpoint = "{slow.endpoint}"\nanonymous = true\n'
+    else:
+        section = f'[s3]\nendpoint = "{slow.endpoint}"\nregion = "us-east-1"\n'
+    d = make_daemon(
+        section + '[store]\npart_size = "1MiB"\nparts_in_flight = 1\n'
+        f'[datasets.m]\nshards = "{url}"\n',
+        env=env,
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(read, d, dataset="m")
+        # The proxy has the whole first part (old) before the daemon gets its first byte, and
+        # the second part is asked for only once the first has arrived.
+        wait_for(lambda: d.metric("shardd_store_bytes_total") >= 256 << 10, "the first part to arrive")
+        replace(new)
+        assert reading.result(timeout=60) == {"m": {"bin": new["bin"]}}
+    refused = d.metric('shardd_store_errors_total{kind="changed"}')
+    mixed = d.metric("shardd_cache_verify_failures_total")
+    assert (refused, mixed) == ((1, 0) if store == "s3" else (0, 1))
+    # S3: the old version's first part and the refused second, then the new version's parts.
+    # GCS: every part of the mixed download, then every part again.
+    parts = -(-len(tar_of([new])) // (1 << 20))
+    assert gets(d) == (2 + parts if store == "s3" else 2 * parts)
 
 
 def test_a_corrupted_entry_is_fetched_again_never_served(make_daemon, fake_gcs, train_paths):
