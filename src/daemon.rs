@@ -181,27 +181,42 @@ pub async fn open_cache(
     Ok(cache)
 }
 
-/// Reads every dataset's manifest and checks it against the shards (one HEAD or stat per
+/// Reads every dataset's manifest, which must name exactly the configured shards, and checks
+/// that this host's share of them is unchanged since it was indexed (one HEAD or stat per
 /// shard, `store.max_downloads` at a time): a mismatch stops the daemon, naming the shard.
+/// Only the share: across a job every shard is then checked once, by the host that reads it,
+/// rather than by every host (a thousand hosts would send a thousand HEADs per shard). The
+/// split itself needs only the manifest's counts, the same on every host.
 pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), StartError> {
     let parallel = config.max_downloads;
+    let host = config.host;
     for dataset in config.datasets.values_mut() {
         let Some(source) = dataset.manifest.clone() else {
             continue;
         };
-        let counts = crate::manifest::load(stores, &source, &dataset.shards, parallel)
+        let name = dataset.name.clone();
+        let failed = |source| StartError::Manifest {
+            dataset: name.clone(),
+            source,
+        };
+        let (manifest, counts) = crate::manifest::load(stores, &source, &dataset.shards)
             .await
-            .map_err(|source| StartError::Manifest {
-                dataset: dataset.name.clone(),
-                source,
-            })?;
+            .map_err(failed)?;
+        dataset.set_counts(counts.into());
+        let share: Vec<_> = crate::plan::warm_shards(dataset.shape(), host)
+            .into_iter()
+            .map(|i| dataset.shards[i].clone())
+            .collect();
+        crate::manifest::check_unchanged(stores, &manifest, &source, &share, parallel)
+            .await
+            .map_err(failed)?;
         tracing::info!(
             dataset = %dataset.name,
             manifest = %source,
-            samples = counts.iter().sum::<u64>(),
+            samples = manifest.total_samples,
+            checked_shards = share.len(),
             "manifest checked"
         );
-        dataset.set_counts(counts);
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! A dataset's manifest: every shard's URL, size, ETag/generation, CRC-32C and sample count,
 //! made by `shardd index`. With it the plan works in samples, not shards (exact, equal
 //! epochs; `plan.rs`), so the daemon checks at start that the manifest still describes the
-//! configured shards exactly: the same URLs, and sizes and ETags as the store reports them now.
+//! configured shards exactly: the same URLs, and for the shards of its host's share, the sizes
+//! and ETags the store reports now.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -78,34 +79,21 @@ impl Manifest {
     }
 
     /// The sample count of each configured shard, in config order, after checking that the
-    /// manifest names exactly these shards and that each one's size and ETag (generation
-    /// where both know one) are what the store reports now (`current`, in config order).
-    pub fn counts(
-        &self,
-        url: &str,
-        shards: &[ShardUrl],
-        current: &[Version],
-    ) -> Result<Vec<u64>, ManifestError> {
+    /// manifest names exactly these shards.
+    pub fn counts(&self, url: &str, shards: &[ShardUrl]) -> Result<Vec<u64>, ManifestError> {
         let mismatch = |what: String| ManifestError::Mismatch {
             url: url.into(),
             what,
         };
-        let by_url: HashMap<&str, &Entry> =
-            self.shards.iter().map(|e| (e.url.as_str(), e)).collect();
+        let by_url = self.by_url();
         if by_url.len() != self.shards.len() {
             return Err(mismatch("it lists a shard twice".into()));
         }
         let mut counts = Vec::with_capacity(shards.len());
-        for (shard, now) in shards.iter().zip(current) {
+        for shard in shards {
             let Some(entry) = by_url.get(shard.as_str()) else {
                 return Err(mismatch(format!("{shard} is not in it")));
             };
-            if !same_object(&entry.version, now) {
-                return Err(mismatch(format!(
-                    "{shard} changed since it was indexed (size {} → {}, ETag {:?} → {:?})",
-                    entry.version.size, now.size, entry.version.e_tag, now.e_tag
-                )));
-            }
             counts.push(entry.samples);
         }
         if self.shards.len() != shards.len() {
@@ -122,6 +110,38 @@ impl Manifest {
             )));
         }
         Ok(counts)
+    }
+
+    /// Checks that `shards` (all in the manifest: see [`Manifest::counts`]) are the objects it
+    /// describes: `current` is what the store reports now, in the same order. Size, and ETag
+    /// and generation where both sides know one.
+    pub fn unchanged(
+        &self,
+        url: &str,
+        shards: &[ShardUrl],
+        current: &[Version],
+    ) -> Result<(), ManifestError> {
+        let by_url = self.by_url();
+        for (shard, now) in shards.iter().zip(current) {
+            let then = &by_url
+                .get(shard.as_str())
+                .unwrap_or_else(|| panic!("{shard} was checked to be in the manifest"))
+                .version;
+            if !same_object(then, now) {
+                return Err(ManifestError::Mismatch {
+                    url: url.into(),
+                    what: format!(
+                        "{shard} changed since it was indexed (size {} → {}, ETag {:?} → {:?})",
+                        then.size, now.size, then.e_tag, now.e_tag
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn by_url(&self) -> HashMap<&str, &Entry> {
+        self.shards.iter().map(|e| (e.url.as_str(), e)).collect()
     }
 }
 
@@ -153,17 +173,30 @@ pub async fn versions(
         .await
 }
 
-/// Reads a manifest from a local path or an object URL and checks it against the shards.
+/// Reads a manifest from a local path or an object URL; returns it with the sample count of
+/// each of `shards` (which it must name exactly, see [`Manifest::counts`]).
 pub async fn load(
     stores: &Stores,
     source: &ShardUrl,
     shards: &[ShardUrl],
-    parallel: usize,
-) -> Result<Arc<[u64]>, ManifestError> {
+) -> Result<(Manifest, Vec<u64>), ManifestError> {
     let text = stores.read_whole(source).await?;
     let manifest = Manifest::parse(&text, source.as_str())?;
+    let counts = manifest.counts(source.as_str(), shards)?;
+    Ok((manifest, counts))
+}
+
+/// Asks the store for the current version of each of `shards` (one HEAD or stat each,
+/// `parallel` at a time) and checks it is the one `manifest` describes.
+pub async fn check_unchanged(
+    stores: &Stores,
+    manifest: &Manifest,
+    source: &ShardUrl,
+    shards: &[ShardUrl],
+    parallel: usize,
+) -> Result<(), ManifestError> {
     let current = versions(stores, shards, parallel).await?;
-    Ok(manifest.counts(source.as_str(), shards, &current)?.into())
+    manifest.unchanged(source.as_str(), shards, &current)
 }
 
 /// Indexes `shards`, `parallel` at a time: reads each one (reusing the entry of `previous`
@@ -297,39 +330,42 @@ mod tests {
         ]);
         let text = serde_json::to_vec(&m).unwrap();
         assert_eq!(Manifest::parse(&text, "m.json").unwrap(), m);
-        let now = |a: u64, b: u64| vec![entry("", a, "x", 0).version, entry("", b, "y", 0).version];
         let shards = urls(&["gs://b/b.tar", "gs://b/a.tar"]);
-        let mut swapped = now(20, 10);
-        swapped[0].e_tag = Some("y".into());
-        swapped[1].e_tag = Some("x".into());
-        assert_eq!(m.counts("m.json", &shards, &swapped).unwrap(), vec![5, 3]);
+        assert_eq!(m.counts("m.json", &shards).unwrap(), vec![5, 3]);
 
-        let err = m
-            .counts(
-                "m.json",
-                &urls(&["gs://b/a.tar", "gs://b/b.tar"]),
-                &now(10, 21),
-            )
-            .unwrap_err()
-            .to_string();
-        assert!(err.starts_with("manifest m.json does not match the configured shards: gs://b/b.tar changed since it was indexed (size 20 → 21"), "{err}");
-        let err = m
-            .counts(
-                "m.json",
-                &urls(&["gs://b/a.tar", "gs://b/c.tar"]),
-                &now(10, 20),
-            )
-            .unwrap_err()
-            .to_string();
-        assert!(err.ends_with("gs://b/c.tar is not in it"), "{err}");
-        let err = m
-            .counts("m.json", &urls(&["gs://b/a.tar"]), &now(10, 20)[..1])
-            .unwrap_err()
-            .to_string();
+        let err = |r: Result<_, ManifestError>| r.unwrap_err().to_string();
+        let e = err(m.counts("m.json", &urls(&["gs://b/a.tar", "gs://b/c.tar"])));
+        assert!(e.ends_with("gs://b/c.tar is not in it"), "{e}");
+        let e = err(m.counts("m.json", &urls(&["gs://b/a.tar"])));
         assert!(
-            err.ends_with("it lists gs://b/b.tar, which the config does not"),
-            "{err}"
+            e.ends_with("it lists gs://b/b.tar, which the config does not"),
+            "{e}"
         );
+        let twice = Manifest::new(vec![m.shards[0].clone(), m.shards[0].clone()]);
+        let e = err(twice.counts("m.json", &urls(&["gs://b/a.tar", "gs://b/a.tar"])));
+        assert!(e.ends_with("it lists a shard twice"), "{e}");
+    }
+
+    #[test]
+    fn only_the_shards_asked_about_are_compared_with_the_store() {
+        let m = Manifest::new(vec![
+            entry("gs://b/a.tar", 10, "x", 3),
+            entry("gs://b/b.tar", 20, "y", 5),
+        ]);
+        let now = |size: u64, tag: &str| entry("", size, tag, 0).version;
+        // b.tar changed, but only a.tar (this host's share) is checked.
+        m.unchanged("m.json", &urls(&["gs://b/a.tar"]), &[now(10, "x")])
+            .unwrap();
+        let e = m
+            .unchanged("m.json", &urls(&["gs://b/b.tar"]), &[now(21, "y")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("manifest m.json does not match the configured shards: gs://b/b.tar changed since it was indexed (size 20 → 21"), "{e}");
+        let e = m
+            .unchanged("m.json", &urls(&["gs://b/a.tar"]), &[now(10, "z")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ETag Some(\"x\") → Some(\"z\")"), "{e}");
     }
 
     #[test]

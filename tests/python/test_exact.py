@@ -4,6 +4,7 @@ every host, rotating drops, exact resume, plan fingerprints, protocol 1 clients 
 import collections
 import json
 import random
+import re
 import struct
 import subprocess
 
@@ -170,6 +171,37 @@ def test_a_stale_manifest_stops_the_daemon_naming_the_shard(fake_gcs, manifest, 
     assert out.returncode == 1
     assert (f'dataset "exact": manifest {stale} does not match the configured shards: '
             f"gs://{BUCKET}/train/train-000004.tar changed since it was indexed") in out.stderr, out.stderr
+
+
+def test_each_host_checks_only_its_share_against_the_store(make_daemon, fake_gcs, manifest, tmp_path):
+    """The hosts of a job check every shard against the store once between them (each its
+    own share), not every shard each: a shard changed since indexing stops the host that
+    reads it, and only that one."""
+    hosts = [make_daemon(exact_config(fake_gcs, manifest, h, 2), name=f"host{h}") for h in range(2)]
+    checked = []
+    for d in hosts:
+        line = next(l for l in d.log_path.read_text().splitlines() if "manifest checked" in l)
+        checked.append(int(re.search(r"checked_shards=(\d+)", line).group(1)))
+    # Sample-level shares are cut by samples: a shard may be split between the two hosts.
+    assert TRAIN_SHARDS <= sum(checked) <= TRAIN_SHARDS + 1, checked
+    streams = open_all(hosts, world_size=2, num_workers=1, epoch=0)
+    urls = [{s["__url__"] for s in streams[h, 0]} for h in range(2)]
+    assert [len(u) for u in urls] == checked
+    for d in hosts:
+        d.stop()
+
+    changed = sorted(urls[1] - urls[0])[0]
+    m = json.loads(manifest.read_text())
+    entry = next(e for e in m["shards"] if e["url"] == changed)
+    entry["size"] += 1
+    m["total_bytes"] += 1
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(m))
+    make_daemon(exact_config(fake_gcs, stale, 0, 2), name="host0-again")  # serves
+    with pytest.raises(RuntimeError) as e:
+        make_daemon(exact_config(fake_gcs, stale, 1, 2), name="host1-again")
+    assert (f'dataset "exact": manifest {stale} does not match the configured shards: '
+            f"{changed} changed since it was indexed") in str(e.value)
 
 
 def test_protocol_1_clients_are_still_served(make_daemon, fake_gcs, manifest, monkeypatch):
