@@ -33,9 +33,9 @@ proxy-bound measurement (many parallel connections) can be recognised.
 """
 
 import argparse
-import os
 import contextlib
 import json
+import os
 import pathlib
 import select
 import shutil
@@ -264,6 +264,18 @@ class Daemon:
         shutil.rmtree(self.dir / "cache", ignore_errors=True)
 
 
+@contextlib.contextmanager
+def running(daemon):
+    """Stops the daemon at the end; on a failure, prints the end of its log first."""
+    try:
+        yield daemon
+    except Exception:
+        print(f"daemon log ({daemon.log_path}), last lines:\n{daemon.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        daemon.stop()
+
+
 def base_config(store, pattern, shuffle_buffer, extra):
     config = {
         "host": {"index": 0, "count": 1},
@@ -370,8 +382,7 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
 def pull_once(binary, workdir, store, config):
     """A cold daemon streams the whole one-shard dataset as fast as the client reads.
     Returns (seconds, GETs, ranged GETs, proxy CPU seconds)."""
-    daemon = Daemon(binary, workdir, config)
-    try:
+    with running(Daemon(binary, workdir, config)) as daemon:
         before = store.stats()
         start = time.monotonic()
         with shardd.Client(daemon.socket) as client:
@@ -379,11 +390,6 @@ def pull_once(binary, workdir, store, config):
                 pass
         secs = time.monotonic() - start
         after = store.stats()
-    except Exception:
-        print(f"daemon log ({daemon.log_path}), last lines:\n{daemon.log_tail()}", file=sys.stderr)
-        raise
-    finally:
-        daemon.stop()
     return (secs, after["requests"].get("GET", 0) - before["requests"].get("GET", 0),
             after["ranged_requests"] - before["ranged_requests"], after["cpu_seconds"] - before["cpu_seconds"])
 
@@ -447,15 +453,9 @@ def main():
             print(f"epochs: starting fake-gcs-server, proxy, daemon ({sum(sizes) / MB:.0f} MB per epoch)", flush=True)
             store = ObjectStore(root, tmp, args.latency_ms, args.bandwidth_mbs)
             try:
-                daemon = Daemon(binary, tmp, base_config(store, pattern, shuffle_buffer, extra))
-                try:
+                with running(Daemon(binary, tmp, base_config(store, pattern, shuffle_buffer, extra))) as daemon:
                     measured = run_epochs(store, daemon, args.epochs, args.rate_mbs * MB)
                     cpu = daemon.cpu_seconds()
-                except Exception:
-                    print(f"daemon log ({daemon.log_path}), last lines:\n{daemon.log_tail()}", file=sys.stderr)
-                    raise
-                finally:
-                    daemon.stop()
                 report += report_epochs(*measured, sum(sizes), args.rate_mbs * MB)
                 served = args.epochs * sum(sizes)
                 report.append(f"daemon CPU: {cpu:.2f} s for {served / 1e9:.2f} GB served "
