@@ -56,6 +56,9 @@ pub struct Metrics {
     pub cache_verify_failures_total: IntCounter,
     /// Bytes the prefetcher brought in before any stream asked for them.
     pub cache_prefetched_bytes_total: IntCounter,
+    /// Shards a stream needed that found no space within `cache.space_timeout` (the stream
+    /// fails with `cache_full`): the cache is too small for what the open streams hold.
+    pub cache_full_total: IntCounter,
     /// Streams ended because their client read nothing for `server.stall_timeout`.
     pub streams_stalled_total: IntCounter,
 }
@@ -185,6 +188,7 @@ impl Metrics {
             cache_evictions_total: counter("cache_evictions_total", "Cache entries evicted to make room."),
             cache_verify_failures_total: counter("cache_verify_failures_total", "Downloads or cache entries whose size or checksum did not verify."),
             cache_prefetched_bytes_total: counter("cache_prefetched_bytes_total", "Bytes fetched into the cache before any stream asked for them."),
+            cache_full_total: counter("cache_full_total", "Shards a stream needed that found no cache space within cache.space_timeout (the stream failed with cache_full)."),
             streams_stalled_total: counter("streams_stalled_total", "Streams ended because the client read nothing for server.stall_timeout."),
             registry,
         }

@@ -379,6 +379,11 @@ async fn serve(
                 .with_label_values(&[&dataset.name, "failed"])
                 .inc();
             tracing::warn!(parent: &span, error = %e, "stream failed");
+            if sink.torn() {
+                // Mid-frame (the stream reports errors at frame boundaries, so this is a
+                // guard): an ERROR frame here would be read as the rest of a batch.
+                return Ok(());
+            }
             let code = match &e {
                 StreamError::Fetch(f) if matches!(f.root(), FetchError::CacheFull { .. }) => {
                     "cache_full"
@@ -390,7 +395,6 @@ async fn serve(
     }
 }
 
-/// Reads the client's preamble and REQUEST, answering with ours in between.
 /// Plans the stream's epoch and, for the prefetcher, the shards of the same stream's next
 /// epoch (none past the last epoch or when it cannot be planned). Planning walks the host's
 /// share, O(shards), so it runs on the blocking pool: a client asking for a large dataset must
@@ -421,6 +425,7 @@ async fn plan_off_runtime(
         .expect("planning does not panic")
 }
 
+/// Reads the client's preamble and REQUEST, answering with ours in between.
 async fn handshake(
     rd: &mut tokio::net::unix::OwnedReadHalf,
     wr: &mut tokio::net::unix::OwnedWriteHalf,

@@ -147,13 +147,22 @@ pub async fn pump(
             // While the client takes this batch, load the next window's shards, so that a
             // window boundary costs no wait (only the reading is cancelled if the send ends
             // first, and `ShardReader::next` is cancel-safe).
+            let mut failed = None;
             let sent_result = loop {
                 if !order.wants_more() {
                     break send.await;
                 }
                 tokio::select! {
                     r = &mut send => break r,
-                    shard = reader.next() => order.push(shard?),
+                    shard = reader.next() => match shard {
+                        Ok(shard) => order.push(shard),
+                        // Finish this frame first: the client can only be told why (an
+                        // ERROR frame) at a frame boundary.
+                        Err(e) => {
+                            failed = Some(e);
+                            break send.await;
+                        }
+                    },
                 }
             };
             // Time in the send is time the client had data waiting (the socket was full).
@@ -174,6 +183,9 @@ pub async fn pump(
             samples_sent.inc_by(sent.len() as u64);
             bytes_sent.inc_by(bytes);
             live.sent(sent.len() as u64, bytes);
+            if let Some(e) = failed {
+                return Err(e);
+            }
         }
     }
 }
@@ -246,12 +258,18 @@ impl SampleOrder {
 
 /// Reads the plan's shards in order through the cache, the next one pinned and parsed while
 /// the current one is sent. Dropping it aborts what is in flight and releases its pins.
+///
+/// The next shard starts loading only once the current one is ready: started together, the
+/// next could take the cache space the current one needs, and a stream would wait (or fail
+/// with `cache_full`) for a shard it does not need yet. The prefetcher loads further ahead
+/// without taking space from anyone.
 struct ShardReader<'a> {
     cache: &'a Cache,
     dataset: &'a Dataset,
     queue: VecDeque<Piece>,
-    /// The shard `next` returns, then the one after it, loading.
+    /// The shard `next` returns, loading.
     current: Option<ShardTask>,
+    /// The one after it, loading once the current one is ready.
     next: Option<ShardTask>,
     schedule: ScheduleHandle,
 }
@@ -264,7 +282,6 @@ impl ShardReader<'_> {
     async fn next(&mut self) -> Result<Option<Vec<Sample>>, StreamError> {
         if self.current.is_none() {
             self.current = self.next.take().or_else(|| self.start());
-            self.next = self.start();
         }
         let Some(current) = self.current.as_mut() else {
             return Ok(None);
@@ -273,6 +290,7 @@ impl ShardReader<'_> {
         self.current = None;
         let samples =
             done.map_err(|e| StreamError::Internal(format!("shard task failed: {e}")))??;
+        self.next = self.start();
         // Only now is the shard behind this stream: until its bytes are pinned (held by its
         // samples) the schedule keeps it at distance 0, safe from eviction.
         self.schedule.advance();

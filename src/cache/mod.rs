@@ -917,6 +917,7 @@ impl Inner {
                     if left.is_zero() || tokio::time::timeout(left, space).await.is_err() {
                         let st = self.state.lock().unwrap();
                         let (pinned, reserved) = (st.pinned, st.charged - st.resident);
+                        self.metrics.cache_full_total.inc();
                         return Err(FetchError::CacheFull {
                             url: shard.to_string(),
                             need: bytes,
