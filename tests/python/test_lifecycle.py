@@ -3,10 +3,14 @@ server), sd_notify readiness, and socket activation. There is no systemd here: t
 play its part (a datagram socket for NOTIFY_SOCKET, a listening socket passed as fd 3)."""
 
 import http.server
+import json
 import os
+import signal
 import socket
+import struct
 import subprocess
 import threading
+import urllib.request
 
 import pytest
 import shardd
@@ -195,6 +199,32 @@ def test_sigterm_during_streams_and_downloads(make_daemon, fake_gcs, cutting_pro
     assert list((d.dir / "cache" / "tmp").iterdir()) == []
     got = sorted((s["__key__"], s["bin"]) for s in shardd.Client(d.socket).stream("big", epoch=0, rank=0, world_size=1))
     assert got == [(f"big{i}", big_payload(i)) for i in range(BIG_SHARDS)]
+
+
+def test_a_second_signal_exits_at_once(make_daemon, fake_gcs):
+    """The first SIGTERM drains: a stream cut mid-frame by a client that reads nothing holds
+    the exit up for the frame's write timeout (2 s). A second signal does not wait for it."""
+    d = make_daemon(gcs_config(fake_gcs))
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(str(d.socket))
+    body = json.dumps({"op": "stream", "dataset": "big", "epoch": 0, "rank": 0, "world_size": 1}).encode()
+    silent.sendall(b"SHARDD\x02\x00" + struct.pack("<IB", len(body), 1) + body)
+
+    def blocked():
+        with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/status", timeout=5) as r:
+            return [s["waiting_on"] for s in json.load(r)["streams"]] == ["client"]
+
+    wait_for(blocked, "the stream to block on its client")
+    d.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "SIGTERM: shutting down" in d.log_path.read_text(), "the first signal to be seen")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 130
+    assert "shardd: second signal: exiting now" in d.log_path.read_text()
+    d.proc = None
+    d.log.close()
+    silent.close()
+    # The socket file is left behind; the next start replaces it.
+    d.start()
 
 
 def test_socket_mode_and_group_from_the_start_and_one_winner(fake_gcs, tmp_path):
