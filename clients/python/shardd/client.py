@@ -62,7 +62,8 @@ class ForkedStreamError(Error, RuntimeError):
         super().__init__(message)
 
 
-# Every open stream, so that a forked child can disown the ones it inherited.
+# What a forked child must disown: every open stream (and shardd.torch's iterators), each
+# with an ``_inherited()`` that closes this process's copy of its socket and refuses to read on.
 _LIVE = weakref.WeakSet()
 
 

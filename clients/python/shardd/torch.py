@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.utils.data
 
-from .client import Client, DaemonError, ForkedStreamError, ProtocolError
+from .client import _LIVE, Client, DaemonError, ForkedStreamError, ProtocolError
 
 __all__ = [
     "ShardDataset",
@@ -50,19 +50,6 @@ class PlanMismatch(RuntimeError):
 
     def __init__(self, message):  # ``message=``: a DataLoader re-raises it as itself
         super().__init__(message)
-
-
-# Every live iterator, so that a forked child can disown the ones it inherited.
-_LIVE = weakref.WeakSet()
-
-
-def _after_fork_in_child():
-    for it in list(_LIVE):
-        it._inherited()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _distributed():
