@@ -36,8 +36,29 @@
 //! In both modes every stream's samples are then shuffled in windows (`shuffle.rs`), which is
 //! what makes an exact resume cost one window.
 
-use crate::config::Topology;
 use crate::shuffle::{self, SplitMix64, tag};
+
+/// Where this host sits among the hosts of the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Topology {
+    pub fn check(&self) -> Result<(), String> {
+        if self.count == 0 {
+            return Err("host.count must be at least 1".into());
+        }
+        if self.index >= self.count {
+            return Err(format!(
+                "host.index {} must be less than host.count {}",
+                self.index, self.count
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// What a trainer asks for: its place in the job and the epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
