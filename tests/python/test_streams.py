@@ -184,7 +184,7 @@ def test_a_reader_that_pauses_holds_three_shards_then_none_and_goes_on(make_daem
     stream parks: it holds no shard. Paused for several stall timeouts, then read again, the
     same stream goes on where it was: the samples of an uninterrupted read, in its order."""
     d = make_daemon(
-        gcs_config(fake_gcs), server='stall_timeout = "1s"', cache="prefetch_shards = 2",
+        gcs_config(fake_gcs), server='stall_timeout = "2s"', cache="prefetch_shards = 2",
     )
     charge = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size + 8192
     with shardd.Client(d.socket) as c:
@@ -204,7 +204,7 @@ def test_a_reader_that_pauses_holds_three_shards_then_none_and_goes_on(make_daem
         wait_for(lambda: d.metric("shardd_streams_parked") == 1, "the stream to park")
         assert d.metric("shardd_cache_pinned_bytes") == 0
         assert [s["waiting_on"] for s in d.status()["streams"]] == ["parked"]
-        time.sleep(3)  # the pause under test (three stall timeouts), not a synchronisation
+        time.sleep(4)  # the pause under test (two more stall timeouts), not a synchronisation
         assert d.metric("shardd_streams_parked") == 1
         assert d.metric("shardd_cache_pinned_bytes") == 0
         rest = list(stream)
