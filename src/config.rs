@@ -10,9 +10,9 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::braces;
+use crate::plan::Shape;
 /// The plan owns the topology type; the config fills it in (`[host]`).
 pub use crate::plan::Topology;
-use crate::plan::Shape;
 use crate::url::{ShardUrl, UrlError};
 
 #[derive(Debug, thiserror::Error)]

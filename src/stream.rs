@@ -273,6 +273,11 @@ async fn park(ctx: &StreamContext, job: &Job<'_>, sock: &UnixStream) -> Result<(
         _ = job.shutdown.cancelled() => return Err(StreamError::Shutdown),
     }
     job.live.waiting(Waiting::Nothing);
+    // Parked time is time the stream waited for its client, like a send's.
+    ctx.metrics
+        .client_wait_seconds_total
+        .with_label_values(&[job.dataset.name.as_str()])
+        .inc_by(since.elapsed().as_secs_f64());
     tracing::info!(parked = ?since.elapsed(), "the client reads again: stream resumed");
     Ok(())
 }
