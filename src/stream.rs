@@ -149,30 +149,9 @@ async fn serve_from(
         current: None,
         next: None,
     };
-    let name = [dataset.name.as_str()];
-    let starving = ctx
-        .metrics
-        .stream_wait_seconds_total
-        .with_label_values(&name);
-    let waiting_on_client = ctx
-        .metrics
-        .client_wait_seconds_total
-        .with_label_values(&name);
-    let samples_sent = ctx.metrics.samples_sent_total.with_label_values(&name);
-    let bytes_sent = ctx.metrics.bytes_sent_total.with_label_values(&name);
-    let live = job.live;
+    let series = Series::new(&ctx.metrics, &dataset.name);
     loop {
-        while order.wants_more() {
-            let waited = Instant::now();
-            live.waiting(Waiting::Data);
-            let next = tokio::select! {
-                next = reader.next() => next,
-                _ = job.shutdown.cancelled() => return Err(StreamError::Shutdown),
-            };
-            live.waiting(Waiting::Nothing);
-            starving.inc_by(waited.elapsed().as_secs_f64());
-            order.push(next?);
-        }
+        fill(&mut order, &mut reader, job, &series).await?;
         let Some(mut window) = order.next_window() else {
             order.check_reached(job.start)?;
             return Ok(Leg::Done);
@@ -183,33 +162,12 @@ async fn serve_from(
             }
             let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
             let sending = Instant::now();
-            live.waiting(Waiting::Client);
+            job.live.waiting(Waiting::Client);
             let send = sink.send(sock, &parts, ctx.stall_timeout);
-            let mut send = std::pin::pin!(send);
-            // While the client takes this batch, load the next window's shards, so that a
-            // window boundary costs no wait (only the reading is cancelled if the send ends
-            // first, and `ShardReader::next` is cancel-safe).
-            let mut failed = None;
-            let sent_result = loop {
-                if !order.wants_more() {
-                    break send.await;
-                }
-                tokio::select! {
-                    r = &mut send => break r,
-                    shard = reader.next() => match shard {
-                        Ok(shard) => order.push(shard),
-                        // Finish this frame first: the client can only be told why (an
-                        // ERROR frame) at a frame boundary.
-                        Err(e) => {
-                            failed = Some(e);
-                            break send.await;
-                        }
-                    },
-                }
-            };
+            let (sent_result, failed) = loading_ahead(send, &mut order, &mut reader).await;
             // Time in the send is time the client had data waiting (the socket was full).
-            live.waiting(Waiting::Nothing);
-            waiting_on_client.inc_by(sending.elapsed().as_secs_f64());
+            job.live.waiting(Waiting::Nothing);
+            series.client_wait.inc_by(sending.elapsed().as_secs_f64());
             match sent_result {
                 Ok(()) => {}
                 // A load that failed meanwhile fails again after the resume, if it still does.
@@ -217,22 +175,84 @@ async fn serve_from(
                 Err(e) => return Err(send_failed(e)),
             }
             if end.samples == 0 {
-                ctx.metrics
-                    .first_sample_seconds
-                    .with_label_values(&name)
-                    .observe(opened.elapsed().as_secs_f64());
+                series.first_sample.observe(opened.elapsed().as_secs_f64());
             }
             let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
             end.samples += sent.len() as u64;
             end.bytes += bytes;
-            samples_sent.inc_by(sent.len() as u64);
-            bytes_sent.inc_by(bytes);
-            live.sent(sent.len() as u64, bytes);
+            series.samples_sent.inc_by(sent.len() as u64);
+            series.bytes_sent.inc_by(bytes);
+            job.live.sent(sent.len() as u64, bytes);
             if let Some(e) = failed {
                 return Err(e);
             }
         }
     }
+}
+
+/// A stream's per-dataset series, looked up once.
+struct Series {
+    starving: prometheus::Counter,
+    client_wait: prometheus::Counter,
+    samples_sent: prometheus::IntCounter,
+    bytes_sent: prometheus::IntCounter,
+    first_sample: prometheus::Histogram,
+}
+
+impl Series {
+    fn new(metrics: &Metrics, dataset: &str) -> Series {
+        let name = [dataset];
+        Series {
+            starving: metrics.stream_wait_seconds_total.with_label_values(&name),
+            client_wait: metrics.client_wait_seconds_total.with_label_values(&name),
+            samples_sent: metrics.samples_sent_total.with_label_values(&name),
+            bytes_sent: metrics.bytes_sent_total.with_label_values(&name),
+            first_sample: metrics.first_sample_seconds.with_label_values(&name),
+        }
+    }
+}
+
+/// Reads shards until the next window can be cut (or the plan has no more), waiting for data.
+async fn fill(
+    order: &mut SampleOrder,
+    reader: &mut ShardReader<'_>,
+    job: &Job<'_>,
+    series: &Series,
+) -> Result<(), StreamError> {
+    while order.wants_more() {
+        let waited = Instant::now();
+        job.live.waiting(Waiting::Data);
+        let next = tokio::select! {
+            next = reader.next() => next,
+            _ = job.shutdown.cancelled() => return Err(StreamError::Shutdown),
+        };
+        job.live.waiting(Waiting::Nothing);
+        series.starving.inc_by(waited.elapsed().as_secs_f64());
+        order.push(next?);
+    }
+    Ok(())
+}
+
+/// Runs `send` (one frame) while loading the next window's shards, so that a window boundary
+/// costs no wait (only the reading is cancelled if the send ends first, and
+/// `ShardReader::next` is cancel-safe). A load that fails lets the frame finish first: the
+/// client can only be told why (an ERROR frame) at a frame boundary.
+async fn loading_ahead(
+    send: impl Future<Output = Result<(), SendError>>,
+    order: &mut SampleOrder,
+    reader: &mut ShardReader<'_>,
+) -> (Result<(), SendError>, Option<StreamError>) {
+    let mut send = std::pin::pin!(send);
+    while order.wants_more() {
+        tokio::select! {
+            r = &mut send => return (r, None),
+            shard = reader.next() => match shard {
+                Ok(shard) => order.push(shard),
+                Err(e) => return (send.await, Some(e)),
+            },
+        }
+    }
+    (send.await, None)
 }
 
 fn send_failed(e: SendError) -> StreamError {
