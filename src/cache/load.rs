@@ -6,12 +6,31 @@ use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
+use tokio::task::JoinHandle;
 
 use super::budget::Reservation;
 use super::disk::{self, META_MAX, Meta};
 use super::{FetchError, Inner, LoadResult, Purpose, Ready, Slot, State};
 use crate::store::{ReadError, Version};
 use crate::url::ShardUrl;
+
+/// What waiters on a load share.
+pub(super) type SharedLoad = Shared<BoxFuture<'static, LoadResult>>;
+
+/// A load's task, not spawned yet: spawned only once the state lock is released, because a
+/// runtime that is shutting down drops a task it is handed at once, inside `spawn`, and the
+/// dropped task's [`LoadingGuard`] takes the state lock.
+#[must_use = "the load's waiters wait until it is spawned"]
+pub(super) struct NewLoad {
+    run: BoxFuture<'static, LoadResult>,
+    handle: tokio::sync::oneshot::Sender<JoinHandle<LoadResult>>,
+}
+
+impl NewLoad {
+    pub(super) fn spawn(self) {
+        let _ = self.handle.send(tokio::spawn(self.run));
+    }
+}
 
 /// Removes a `Loading` slot whose load ended without filling it (error, panic, shutdown).
 /// (Only until the load has written its outcome: after that the slot may already hold
@@ -44,61 +63,79 @@ impl Inner {
     }
 
     /// Starts loading a shard (the caller holds the state lock and found no usable entry):
-    /// a task of its own, so that it finishes for the others even if the stream that
-    /// started it goes away.
+    /// puts a `Loading` slot in its place and returns what to wait on, with the task to
+    /// [spawn](NewLoad::spawn) once the lock is released. A task of its own, so that the
+    /// load finishes for the others even if the stream that started it goes away.
     pub(super) fn start_load(
         self: &Arc<Self>,
         st: &mut State,
         shard: &ShardUrl,
         purpose: Purpose,
-    ) -> Shared<BoxFuture<'static, LoadResult>> {
+    ) -> (SharedLoad, NewLoad) {
         // A stale or unverified entry is taken out to be checked (never a pinned one).
         let old = match st.slots.remove(shard.as_str()) {
             Some(Slot::Ready(r)) => Some(r),
             _ => None,
         };
-        let inner = self.clone();
-        let url = shard.clone();
-        let guard = LoadingGuard {
-            inner: self.clone(),
-            url: shard.as_str().to_string(),
-            armed: true,
-        };
-        let task = tokio::spawn(async move {
-            let mut guard = guard;
-            let result = inner.load(&url, old, purpose).await;
-            let mut st = inner.state.lock().unwrap();
-            guard.armed = false;
-            let result = match result {
-                Ok((ready, fetched)) => {
-                    st.slots
-                        .insert(url.as_str().to_string(), Slot::Ready(ready));
-                    // A new unpinned entry is something a waiting reservation may evict.
-                    inner.space.notify_waiters();
-                    Ok(fetched)
-                }
-                Err(e) => {
-                    st.slots.remove(url.as_str());
-                    Err(Arc::new(e))
-                }
-            };
-            inner.publish(&st);
-            result
-        });
+        let (handle, task) = tokio::sync::oneshot::channel::<JoinHandle<LoadResult>>();
         let what = shard.to_string();
         let load = async move {
-            task.await.unwrap_or_else(|e| {
-                Err(Arc::new(FetchError::Internal {
+            let task = task.await.map_err(|_| FetchError::Internal {
+                url: what.clone(),
+                what: "the load was never started".into(),
+            });
+            match task {
+                Ok(task) => task.await.map_err(|e| FetchError::Internal {
                     url: what,
                     what: e.to_string(),
-                }))
-            })
+                }),
+                Err(e) => Err(e),
+            }
+            .unwrap_or_else(|e| Err(Arc::new(e)))
         }
         .boxed()
         .shared();
         st.slots
             .insert(shard.as_str().to_string(), Slot::Loading(load.clone()));
-        load
+        // Made now, so that a task dropped before it first runs still clears the slot.
+        let guard = LoadingGuard {
+            inner: self.clone(),
+            url: shard.as_str().to_string(),
+            armed: true,
+        };
+        let run = self
+            .clone()
+            .run_load(guard, shard.clone(), old, purpose)
+            .boxed();
+        (load, NewLoad { run, handle })
+    }
+
+    /// A load's task: loads, then puts the outcome in the slot table.
+    async fn run_load(
+        self: Arc<Self>,
+        mut guard: LoadingGuard,
+        url: ShardUrl,
+        old: Option<Ready>,
+        purpose: Purpose,
+    ) -> LoadResult {
+        let result = self.load(&url, old, purpose).await;
+        let mut st = self.state.lock().unwrap();
+        guard.armed = false;
+        let result = match result {
+            Ok((ready, fetched)) => {
+                st.slots
+                    .insert(url.as_str().to_string(), Slot::Ready(ready));
+                // A new unpinned entry is something a waiting reservation may evict.
+                self.space.notify_waiters();
+                Ok(fetched)
+            }
+            Err(e) => {
+                st.slots.remove(url.as_str());
+                Err(Arc::new(e))
+            }
+        };
+        self.publish(&st);
+        result
     }
 
     /// Checks an existing entry, or fetches the shard.

@@ -44,12 +44,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use futures::future::{BoxFuture, Shared};
 use tokio::sync::Notify;
 
 pub use self::bytes::ShardBytes;
 use self::disk::{Disk, META_MAX, Meta};
 use self::evict::Foresight;
+use self::load::SharedLoad;
 use self::pin::{Pin, Pinned, map_file};
 use crate::metrics::Metrics;
 use crate::store::{ReadError, Stores};
@@ -168,7 +168,7 @@ type LoadResult = Result<u64, Arc<FetchError>>;
 
 enum Slot {
     Ready(Ready),
-    Loading(Shared<BoxFuture<'static, LoadResult>>),
+    Loading(SharedLoad),
 }
 
 struct Ready {
@@ -304,7 +304,7 @@ impl Cache {
         // shorter than the load took.
         let mut loaded = false;
         let entry = loop {
-            let load = {
+            let (load, new) = {
                 let mut st = self.inner.state.lock().unwrap();
                 st.tick += 1;
                 let tick = st.tick;
@@ -319,10 +319,16 @@ impl Cache {
                         self.inner.publish(&st);
                         break entry;
                     }
-                    Some(Slot::Loading(load)) => load.clone(),
-                    _ => self.inner.start_load(&mut st, shard, Purpose::Demand),
+                    Some(Slot::Loading(load)) => (load.clone(), None),
+                    _ => {
+                        let (load, new) = self.inner.start_load(&mut st, shard, Purpose::Demand);
+                        (load, Some(new))
+                    }
                 }
             };
+            if let Some(new) = new {
+                new.spawn(); // the lock is released
+            }
             if std::mem::take(&mut first) {
                 self.inner.metrics.cache_misses_total.inc();
             }
@@ -363,7 +369,7 @@ impl Cache {
     /// Makes sure a shard is in the cache (or being loaded) without pinning it: what the
     /// prefetcher and `shardd warm` call.
     pub async fn ensure(&self, shard: &ShardUrl, purpose: Purpose) -> Result<Ensured, FetchError> {
-        let load = {
+        let (load, new) = {
             let mut st = self.inner.state.lock().unwrap();
             match st.slots.get(shard.as_str()) {
                 Some(Slot::Ready(r)) if r.pins > 0 || self.inner.usable(r) => {
@@ -373,6 +379,7 @@ impl Cache {
                 _ => self.inner.start_load(&mut st, shard, purpose),
             }
         };
+        new.spawn(); // the lock is released
         Ok(match load.await.map_err(FetchError::Shared)? {
             0 => Ensured::Present,
             fetched => Ensured::Loaded(fetched),

@@ -247,3 +247,35 @@ async fn gzip_is_stored_decompressed_within_the_budget() {
     );
     assert_eq!(small.metrics.cache_bytes.get(), 0);
 }
+
+/// A load started while the runtime shuts down: the runtime drops the new task inside
+/// `spawn`, and the task's guard takes the state lock, so the load must not be spawned
+/// under that lock. The caller gets an error instead of a deadlock.
+#[test]
+fn a_load_started_during_runtime_shutdown_fails_without_a_deadlock() {
+    let f = Fixture::new(1, 1000);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let cache = {
+        let _context = rt.enter();
+        f.open(10 << 20, HOUR)
+    };
+    let handle = rt.handle().clone();
+    rt.shutdown_background();
+    let (done, result) = std::sync::mpsc::channel();
+    let (c, s) = (cache.clone(), f.shard(0));
+    std::thread::spawn(move || {
+        let got = handle.block_on(c.get(&s)).map(|b| b.len());
+        let _ = done.send(got.map_err(|e| e.to_string()));
+    });
+    let got = result
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the get deadlocked");
+    let err = got.unwrap_err();
+    assert!(
+        err.starts_with(&format!("{}: internal error: task ", f.shard(0)))
+            && err.ends_with(" was cancelled"),
+        "{err}"
+    );
+    // The slot was cleared: nothing is left loading.
+    assert_eq!(cache.usage().loading, 0);
+}
