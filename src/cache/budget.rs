@@ -2,7 +2,6 @@
 //! or turned into an entry's charge; eviction (whom [`evict`](super::evict) chooses) to make
 //! room, as far as a load's [`Purpose`] allows.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,6 +16,11 @@ pub(super) struct Reservation {
 }
 
 impl Reservation {
+    /// Takes over another reservation's bytes.
+    pub(super) fn absorb(&mut self, mut other: Reservation) {
+        self.bytes += std::mem::take(&mut other.bytes);
+    }
+
     /// Gives back all but `keep` bytes.
     pub(super) fn shrink_to(&mut self, keep: u64) {
         let give = self.bytes.saturating_sub(keep);
@@ -32,6 +36,23 @@ impl Drop for Reservation {
         if self.bytes > 0 {
             self.inner.release(self.bytes);
         }
+    }
+}
+
+/// Counts a load as waiting for space (see [`Usage::waiting`](super::Usage::waiting)) while
+/// it lives.
+struct Waiting<'a>(&'a Inner);
+
+impl Waiting<'_> {
+    fn new(inner: &Inner) -> Waiting<'_> {
+        inner.state.lock().unwrap().waiting += 1;
+        Waiting(inner)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().unwrap().waiting -= 1;
     }
 }
 
@@ -69,29 +90,26 @@ impl Inner {
         self.release(entry.charge);
     }
 
-    /// Adds `bytes` to a reservation now, evicting unpinned entries if that makes room;
-    /// never waits. Blocking (it may delete files).
-    pub(super) fn grow_now(self: &Arc<Self>, reservation: &mut Reservation, bytes: u64) -> bool {
-        let next = self.foresight.next_uses();
-        loop {
-            let victims = {
-                let mut st = self.state.lock().unwrap();
-                if st.charged + bytes <= self.limits.max_bytes {
-                    st.charged += bytes;
-                    reservation.bytes += bytes;
-                    self.publish(&st);
-                    return true;
+    /// Adds `bytes` to a load's reservation under the rules of its purpose, waiting for
+    /// space as [`reserve`](Inner::reserve) does. Blocking: for the thread that decompresses.
+    pub(super) fn grow(
+        self: &Arc<Self>,
+        shard: &ShardUrl,
+        reservation: &mut Reservation,
+        bytes: u64,
+        purpose: Purpose,
+    ) -> Result<(), FetchError> {
+        let held = reservation.bytes;
+        let more = tokio::runtime::Handle::current()
+            .block_on(self.reserve(shard, bytes, purpose))
+            .map_err(|mut e| {
+                if let FetchError::CacheFull { need, .. } = &mut e {
+                    *need += held; // what the whole load needs, not this step
                 }
-                let needed = st.charged + bytes - self.limits.max_bytes;
-                match self.take_victims(&mut st, &next, needed, None) {
-                    Some(v) => v,
-                    None => return false,
-                }
-            };
-            for entry in victims {
-                self.delete(&entry);
-            }
-        }
+                e
+            })?;
+        reservation.absorb(more);
+        Ok(())
     }
 
     /// Reserves `bytes`, evicting what the purpose allows; a demand waits for pins to be
@@ -103,7 +121,6 @@ impl Inner {
         purpose: Purpose,
     ) -> Result<Reservation, FetchError> {
         let started = Instant::now();
-        let mut next: Option<HashMap<String, u64>> = None;
         loop {
             let space = self.space.notified();
             tokio::pin!(space);
@@ -118,31 +135,11 @@ impl Inner {
                         bytes,
                     });
                 }
-                if next.is_none() {
-                    // Asked outside the lock: the oracle takes its own.
-                    drop(st);
-                    next = Some(self.foresight.next_uses());
-                    continue;
-                }
                 let needed = st.charged + bytes - self.limits.max_bytes;
-                let next = next.as_ref().unwrap();
-                let sooner_than = match purpose {
-                    // Not even a demand evicts what a stream needs before this shard.
-                    Purpose::Demand => next.get(shard.as_str()).copied(),
-                    Purpose::Prefetch { distance } => Some(distance),
-                    Purpose::Warm => Some(u64::MAX),
-                };
-                let victims = match purpose {
-                    Purpose::Warm => None,
-                    _ => self.take_victims(&mut st, next, needed, sooner_than),
-                };
-                match victims {
-                    Some(v) => Ok(v),
-                    None => Err(()),
-                }
+                self.take_victims(&mut st, shard, needed, purpose)
             };
             match victims {
-                Ok(victims) => {
+                Some(victims) => {
                     let inner = self.clone();
                     let _ = tokio::task::spawn_blocking(move || {
                         for entry in victims {
@@ -151,57 +148,93 @@ impl Inner {
                     })
                     .await;
                 }
-                Err(_) if purpose != Purpose::Demand => {
+                None if purpose != Purpose::Demand => {
                     return Err(FetchError::NoRoom {
                         url: shard.to_string(),
                     });
                 }
-                Err(()) => {
-                    let left = self.limits.space_timeout.saturating_sub(started.elapsed());
-                    if left.is_zero() || tokio::time::timeout(left, space).await.is_err() {
-                        let st = self.state.lock().unwrap();
-                        let (pinned, reserved) = (st.pinned, st.charged - st.resident);
-                        self.metrics.cache_full_total.inc();
-                        return Err(FetchError::CacheFull {
-                            url: shard.to_string(),
-                            need: bytes,
-                            limit: self.limits.max_bytes,
-                            pinned,
-                            reserved,
-                            waited: started.elapsed(),
-                        });
-                    }
-                    next = None; // the plans may have moved on while we waited
-                }
+                None => self.wait_for_space(shard, bytes, started, space).await?,
             }
         }
     }
 
-    /// Takes the entries to evict out of the slot table (they stay charged until deleted).
+    /// Waits for a release of bytes or pins (`space`), or fails with `cache_full` once the
+    /// demand for `bytes` started at `started` has waited `cache.space_timeout`.
+    async fn wait_for_space(
+        &self,
+        shard: &ShardUrl,
+        bytes: u64,
+        started: Instant,
+        space: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+    ) -> Result<(), FetchError> {
+        let left = self.limits.space_timeout.saturating_sub(started.elapsed());
+        let waiting = Waiting::new(self);
+        let woken = !left.is_zero() && tokio::time::timeout(left, space).await.is_ok();
+        drop(waiting);
+        if woken {
+            return Ok(());
+        }
+        let st = self.state.lock().unwrap();
+        self.metrics.cache_full_total.inc();
+        Err(FetchError::CacheFull {
+            url: shard.to_string(),
+            need: bytes,
+            limit: self.limits.max_bytes,
+            pinned: st.pinned,
+            reserved: st.charged - st.resident,
+            waited: started.elapsed(),
+        })
+    }
+
+    /// Takes the entries to evict for a load of `shard` out of the slot table (they stay
+    /// charged until deleted), as far as its purpose allows: a warm-up evicts nothing, a
+    /// prefetch only entries needed later than it, and not even a demand evicts what a
+    /// stream needs before this shard. `None` when that cannot free `needed` bytes.
+    /// The foresight is asked about the candidates only, under the state lock (the lock
+    /// order is the cache's state, then the plans').
     pub(super) fn take_victims(
         &self,
         st: &mut State,
-        next: &HashMap<String, u64>,
+        shard: &ShardUrl,
         needed: u64,
-        sooner_than: Option<u64>,
+        purpose: Purpose,
     ) -> Option<Vec<Arc<Entry>>> {
-        let (urls, candidates): (Vec<&String>, Vec<Candidate>) = st
+        if purpose == Purpose::Warm {
+            return None;
+        }
+        let (mut urls, mut candidates): (Vec<&str>, Vec<Candidate>) = st
             .slots
             .iter()
             .filter_map(|(url, slot)| match slot {
                 Slot::Ready(r) if r.pins == 0 => Some((
-                    url,
+                    url.as_str(),
                     Candidate {
                         bytes: r.entry.charge,
-                        next_use: next.get(url).copied(),
+                        next_use: None,
                         last_used: r.last_used,
                     },
                 )),
                 _ => None,
             })
             .unzip();
+        urls.push(shard.as_str());
+        let mut next = self.foresight.next_uses(&urls);
+        let own = next.pop().flatten();
+        for (c, next_use) in candidates.iter_mut().zip(next) {
+            c.next_use = next_use;
+        }
+        let sooner_than = match purpose {
+            Purpose::Demand => own,
+            Purpose::Prefetch { distance } => Some(distance),
+            Purpose::Warm => unreachable!("a warm-up evicts nothing"),
+        };
         let chosen = evict::choose(&candidates, needed, sooner_than)?;
-        let urls: Vec<String> = chosen.iter().map(|&i| urls[i].clone()).collect();
+        let urls: Vec<String> = chosen.iter().map(|&i| urls[i].to_string()).collect();
+        Some(self.evict(st, &urls))
+    }
+
+    /// Takes `urls` out of the slot table, counted as evictions.
+    fn evict(&self, st: &mut State, urls: &[String]) -> Vec<Arc<Entry>> {
         let victims: Vec<Arc<Entry>> = urls
             .iter()
             .filter_map(|url| match st.slots.remove(url) {
@@ -215,6 +248,6 @@ impl Inner {
         for v in &victims {
             tracing::debug!(url = %v.meta.url, bytes = v.charge, "evicting");
         }
-        Some(victims)
+        victims
     }
 }

@@ -244,7 +244,7 @@ impl Inner {
                 Ok(()) => {
                     let (inner, url, version) = (self.clone(), shard.clone(), version.clone());
                     tokio::task::spawn_blocking(move || {
-                        inner.finish(&url, version, temp, reservation)
+                        inner.finish(&url, version, temp, reservation, purpose)
                     })
                     .await
                     .unwrap_or_else(|e| {
@@ -278,6 +278,7 @@ impl Inner {
         version: Version,
         temp: disk::TempFile,
         mut reservation: Reservation,
+        purpose: Purpose,
     ) -> Result<Ready, FetchError> {
         let want_md5 = version.md5();
         let (crc, md5) = disk::checksums(temp.path(), want_md5.is_some())
@@ -297,7 +298,7 @@ impl Inner {
         let gzip = disk::is_gzip(temp.path())
             .map_err(FetchError::io(shard, "reading back the download"))?;
         let (data, size, crc) = if gzip {
-            let (plain, size, crc) = self.gunzip(shard, &temp, &mut reservation)?;
+            let (plain, size, crc) = self.gunzip(shard, &temp, &mut reservation, purpose)?;
             drop(temp);
             reservation.shrink_to(size + META_MAX);
             (plain, size, crc)
@@ -330,16 +331,16 @@ impl Inner {
     }
 
     /// Decompresses a gzipped download into a second cache file, reserving its space as it
-    /// grows (from what is left of the budget, evicting entries nobody is reading), so a
-    /// gzip bomb stops at the budget. Returns the file, its size and CRC-32C. Blocking.
+    /// grows under the load's purpose (what it may evict, whether it waits), so a gzip bomb
+    /// stops at the budget. Returns the file, its size and CRC-32C. Blocking.
     pub(super) fn gunzip(
         self: &Arc<Self>,
         shard: &ShardUrl,
         compressed: &disk::TempFile,
         reservation: &mut Reservation,
+        purpose: Purpose,
     ) -> Result<(disk::TempFile, u64, u32), FetchError> {
         use std::io::{Read, Write};
-        const STEP: u64 = 1 << 20;
         let io = |what| FetchError::io(shard, what);
         let (plain, file) = self.disk.temp_file().map_err(io("creating a cache file"))?;
         let input =
@@ -357,22 +358,39 @@ impl Inner {
                 break;
             }
             size += n as u64;
-            while base + size > reservation.bytes {
-                if !self.grow_now(reservation, STEP) {
-                    let st = self.state.lock().unwrap();
-                    return Err(FetchError::GzipTooLarge {
-                        url: shard.to_string(),
-                        limit: self.limits.max_bytes,
-                        free: reservation.bytes - base
-                            + self.limits.max_bytes.saturating_sub(st.charged),
-                    });
-                }
-            }
+            self.cover(shard, reservation, base, base + size, purpose)?;
             crc = crc32c::crc32c_append(crc, &buf[..n]);
             out.write_all(&buf[..n])
                 .map_err(io("writing to the cache"))?;
         }
         out.flush().map_err(io("writing to the cache"))?;
         Ok((plain, size, crc))
+    }
+
+    /// Grows a decompression's reservation (`base` bytes before it began) to `target`
+    /// bytes, a MiB at a time where the budget allows; refused outright when the load alone
+    /// would exceed the budget. Blocking.
+    fn cover(
+        self: &Arc<Self>,
+        shard: &ShardUrl,
+        reservation: &mut Reservation,
+        base: u64,
+        target: u64,
+        purpose: Purpose,
+    ) -> Result<(), FetchError> {
+        const STEP: u64 = 1 << 20;
+        let max = self.limits.max_bytes;
+        if target <= reservation.bytes {
+            return Ok(());
+        }
+        if target > max {
+            return Err(FetchError::GzipTooLarge {
+                url: shard.to_string(),
+                limit: max,
+                free: max.saturating_sub(base),
+            });
+        }
+        let step = (target - reservation.bytes).max(STEP.min(max - reservation.bytes));
+        self.grow(shard, reservation, step, purpose)
     }
 }

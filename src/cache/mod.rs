@@ -19,7 +19,9 @@
 //!   A stream that needs space nobody can free waits up to `cache.space_timeout` for pins to
 //!   be released, then fails with `cache_full`; a prefetch that does not fit simply waits.
 //!
-//! The mutex around the state is never held across an await or around file I/O.
+//! The mutex around the state is never held across an await or around file I/O. The
+//! foresight (the plans' lock) is asked under it, about eviction candidates only: the plans'
+//! lock is taken after the state's, never before.
 //!
 //! # Rooms
 //! | file | job |
@@ -160,6 +162,8 @@ struct State {
     /// Counts releases of bytes or pins: a prefetch that found no room is worth retrying
     /// only once this has moved.
     releases: u64,
+    /// Demand loads waiting for space.
+    waiting: usize,
 }
 
 /// What a load ends with: the bytes it read from the source (0 if it only checked an
@@ -224,6 +228,9 @@ pub struct Usage {
     pub pinned_bytes: u64,
     pub entries: usize,
     pub loading: usize,
+    /// Loads waiting for pins to be released (the cache is full of what streams read now).
+    #[serde(default)]
+    pub waiting: usize,
 }
 
 /// What [`Cache::ensure`] did.
@@ -416,6 +423,7 @@ impl Cache {
                 .values()
                 .filter(|s| matches!(s, Slot::Loading(_)))
                 .count(),
+            waiting: st.waiting,
         }
     }
 
