@@ -261,10 +261,8 @@ impl Inner {
                 }
             };
             match result {
-                Err(FetchError::Verify { .. } | FetchError::Read(ReadError::Changed { .. }))
-                    if attempt == 1 =>
-                {
-                    tracing::warn!(url = %shard, error = %result.err().unwrap(), "fetching once more");
+                Err(e) if attempt == 1 && e.worth_another_try() => {
+                    tracing::warn!(url = %shard, error = %e, "fetching once more");
                 }
                 result => return result,
             }

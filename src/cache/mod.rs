@@ -52,7 +52,7 @@ pub use self::bytes::ShardBytes;
 use self::disk::{Disk, META_MAX, Meta};
 use self::evict::Foresight;
 use self::load::SharedLoad;
-use self::pin::{Pin, Pinned, map_file};
+use self::pin::{Pin, Pinned, map_entry};
 use crate::metrics::Metrics;
 use crate::store::{ReadError, Stores};
 use crate::url::ShardUrl;
@@ -102,6 +102,16 @@ impl FetchError {
     fn io(url: &ShardUrl, what: &'static str) -> impl FnOnce(std::io::Error) -> FetchError {
         let url = url.to_string();
         move |source| FetchError::Io { url, what, source }
+    }
+
+    /// Whether a fetch that failed so is worth another: a checksum mismatch, a source that
+    /// changed mid-read, or a cache file deleted under the daemon while it was written.
+    fn worth_another_try(&self) -> bool {
+        match self {
+            FetchError::Verify { .. } | FetchError::Read(ReadError::Changed { .. }) => true,
+            FetchError::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            _ => false,
+        }
     }
 
     /// The error itself, seen through the single-flight wrapper.
@@ -304,8 +314,36 @@ impl Cache {
     }
 
     /// The bytes of a shard, pinned until the last slice of them is dropped. Waits for a
-    /// load in progress or starts one.
+    /// load in progress or starts one. An entry whose file was deleted under the daemon
+    /// (an operator, a cleaner) is fetched again.
     pub async fn get(&self, shard: &ShardUrl) -> Result<ShardBytes, FetchError> {
+        // More than two: another reader may have pinned the same missing entry, and it is
+        // served to this one again until that pin is dropped.
+        const ATTEMPTS: u32 = 3;
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let entry = self.pin(shard).await?;
+            let pin = Pin {
+                inner: self.inner.clone(),
+                url: shard.as_str().to_string(),
+                entry: entry.clone(),
+            };
+            match map_entry(&entry).await {
+                Ok(Some(map)) => return Ok(ShardBytes::cache_file(Pinned { map, _pin: pin })),
+                Ok(None) => return Ok(ShardBytes::default()), // an empty shard; `pin` drops
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && attempts < ATTEMPTS => {
+                    tracing::warn!(url = %shard, path = %entry.path.display(), "a cache file was deleted under the daemon: fetching it again");
+                    drop(pin);
+                    self.inner.distrust(&entry);
+                }
+                Err(e) => return Err(FetchError::io(shard, "mapping the cache file")(e)),
+            }
+        }
+    }
+
+    /// Pins a shard's entry, waiting for a load in progress or starting one.
+    async fn pin(&self, shard: &ShardUrl) -> Result<Arc<Entry>, FetchError> {
         let mut first = true;
         // An entry a load has just made or checked is served even if `cache.revalidate` is
         // shorter than the load took.
@@ -348,29 +386,7 @@ impl Cache {
         if first {
             self.inner.metrics.cache_hits_total.inc();
         }
-        let pin = Pin {
-            inner: self.inner.clone(),
-            url: shard.as_str().to_string(),
-            entry: entry.clone(),
-        };
-        let map = entry.map.lock().unwrap().upgrade();
-        let map = match map {
-            Some(map) => map,
-            None => {
-                let e = entry.clone();
-                let mapped = tokio::task::spawn_blocking(move || map_file(&e.path))
-                    .await
-                    .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
-                    .map_err(FetchError::io(shard, "mapping the cache file"))?;
-                let Some(map) = mapped else {
-                    return Ok(ShardBytes::default()); // an empty shard; `pin` drops here
-                };
-                let map = Arc::new(map);
-                *entry.map.lock().unwrap() = Arc::downgrade(&map);
-                map
-            }
-        };
-        Ok(ShardBytes::cache_file(Pinned { map, _pin: pin }))
+        Ok(entry)
     }
 
     /// Makes sure a shard is in the cache (or being loaded) without pinning it: what the

@@ -42,9 +42,40 @@ impl Drop for Pin {
     }
 }
 
+/// The mapping of an entry's file that its readers share: the live one, or a new one.
+/// `None` for an empty file.
+pub(super) async fn map_entry(entry: &Arc<Entry>) -> std::io::Result<Option<Arc<memmap2::Mmap>>> {
+    if let Some(map) = entry.map.lock().unwrap().upgrade() {
+        return Ok(Some(map));
+    }
+    let e = entry.clone();
+    let mapped = tokio::task::spawn_blocking(move || map_file(&e.path))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))?;
+    Ok(mapped.map(|map| {
+        let map = Arc::new(map);
+        *entry.map.lock().unwrap() = Arc::downgrade(&map);
+        map
+    }))
+}
+
+impl Inner {
+    /// Marks an entry as needing its checksum checked before it is served again (its file
+    /// was found missing): the next reader's load rechecks it, finds it unreadable and
+    /// fetches the shard again.
+    pub(super) fn distrust(&self, entry: &Arc<Entry>) {
+        let mut st = self.state.lock().unwrap();
+        if let Some(Slot::Ready(r)) = st.slots.get_mut(&entry.meta.url)
+            && Arc::ptr_eq(&r.entry, entry)
+        {
+            r.verified = false;
+        }
+    }
+}
+
 /// Maps a cache file read-only, pages read in (in a blocking thread, so that sending never
 /// faults on disk reads); `None` for an empty file, which cannot be mapped.
-pub(super) fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
+fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
     let file = std::fs::File::open(path)?;
     if file.metadata()?.len() == 0 {
         return Ok(None);

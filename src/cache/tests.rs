@@ -455,3 +455,32 @@ async fn gzip_output_asks_the_foresight_only_to_evict() {
     assert!(cache.get(&f.shard(0)).await.unwrap()[..] == plain[..]);
     assert_eq!(oracle.asked(), 0);
 }
+
+/// Files deleted under the daemon: an entry's data file, then both directories. Each next
+/// get fetches the shard again (before, it failed with "mapping the cache file" for as long
+/// as the entry stayed).
+#[tokio::test]
+async fn deleted_cache_files_are_fetched_again() {
+    let f = Fixture::new(2, 70_000);
+    let cache = f.open(10 << 20, HOUR);
+    for i in 0..2 {
+        cache.get(&f.shard(i)).await.unwrap();
+    }
+    let entries = f.cache_dir.join("entries");
+    for e in std::fs::read_dir(&entries).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|e| e == "tar") {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    assert!(cache.get(&f.shard(0)).await.unwrap()[..] == content(0, 70_000)[..]);
+    assert_eq!(f.reads(), 3);
+    std::fs::remove_dir_all(&entries).unwrap();
+    std::fs::remove_dir_all(f.cache_dir.join("tmp")).unwrap();
+    for i in 0..2 {
+        assert!(cache.get(&f.shard(i)).await.unwrap()[..] == content(i, 70_000)[..]);
+    }
+    assert_eq!(f.reads(), 5);
+    assert_eq!(f.metrics.cache_bytes.get() as u64, 2 * (70_000 + META_MAX));
+    assert_eq!(f.metrics.cache_verify_failures_total.get(), 0);
+}
