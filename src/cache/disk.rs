@@ -348,7 +348,7 @@ pub fn checksums(path: &Path, with_md5: bool) -> io::Result<(u32, Option<String>
             h.update(&buf[..n]);
         }
     }
-    Ok((crc, md5.map(|h| hex(&h.finalize()))))
+    Ok((crc, md5.map(|h| hex::encode(h.finalize()))))
 }
 
 /// Whether a file starts with the gzip magic bytes (as `tarfile` and webdataset detect it).
@@ -360,11 +360,7 @@ pub fn is_gzip(path: &Path) -> io::Result<bool> {
 
 /// The file name an entry's record has: the URL's MD5 in hex.
 fn key(url: &str) -> String {
-    hex(&md5::Md5::digest(url.as_bytes()))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(md5::Md5::digest(url.as_bytes()))
 }
 
 fn list(dir: &Path) -> io::Result<Vec<PathBuf>> {
