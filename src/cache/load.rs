@@ -78,20 +78,13 @@ impl Inner {
             _ => None,
         };
         let (handle, task) = tokio::sync::oneshot::channel::<JoinHandle<LoadResult>>();
-        let what = shard.to_string();
+        let url = shard.to_string();
         let load = async move {
-            let task = task.await.map_err(|_| FetchError::Internal {
-                url: what.clone(),
-                what: "the load was never started".into(),
-            });
-            match task {
-                Ok(task) => task.await.map_err(|e| FetchError::Internal {
-                    url: what,
-                    what: e.to_string(),
-                }),
-                Err(e) => Err(e),
-            }
-            .unwrap_or_else(|e| Err(Arc::new(e)))
+            let outcome = match task.await {
+                Ok(task) => task.await.map_err(|e| e.to_string()),
+                Err(_) => Err("the load was never started".to_string()),
+            };
+            outcome.unwrap_or_else(|what| Err(Arc::new(FetchError::Internal { url, what })))
         }
         .boxed()
         .shared();
