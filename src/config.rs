@@ -546,28 +546,13 @@ fn number_and_unit(text: &str) -> (Option<f64>, String) {
     (num, unit.trim().to_ascii_lowercase())
 }
 
-/// Parses "100GiB", "512MB", "1 TiB", "4096" (bytes).
+/// Parses "100GiB", "512MB", "1.5 MB", "1 TiB", "4096" (bytes), case-insensitive, exactly
+/// (no floating point: parse-size computes in integers).
 pub fn parse_size(text: &str, key: &str) -> Result<u64, ConfigError> {
-    let (num, unit) = number_and_unit(text);
-    let mult: u64 = match unit.as_str() {
-        "" | "b" => 1,
-        "k" | "kb" => 1_000,
-        "m" | "mb" => 1_000_000,
-        "g" | "gb" => 1_000_000_000,
-        "t" | "tb" => 1_000_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        "tib" => 1 << 40,
-        _ => u64::MAX,
-    };
-    match num {
-        // `as u64` would saturate: an absurd size is an error, not u64::MAX.
-        Some(n) if mult != u64::MAX && n * mult as f64 >= u64::MAX as f64 => {
-            Err(invalid(format!("{key} {text:?} is too large")))
-        }
-        Some(n) if mult != u64::MAX => Ok((n * mult as f64) as u64),
-        _ => Err(invalid(format!(
+    match parse_size::parse_size(text.trim()) {
+        Ok(bytes) => Ok(bytes),
+        Err(parse_size::Error::PosOverflow) => Err(invalid(format!("{key} {text:?} is too large"))),
+        Err(_) => Err(invalid(format!(
             "{key} {text:?} is not a size like \"100GiB\", \"512MB\" or \"4096\""
         ))),
     }
@@ -776,5 +761,18 @@ mod tests {
         );
         assert_eq!(parse_duration("2m", "k").unwrap(), Duration::from_secs(120));
         assert!(parse_duration("10", "k").is_err());
+    }
+
+    /// Through f64, "8.2 GB" was 8_199_999_999 bytes and "1.005kB" 1004.
+    #[test]
+    fn sizes_are_exact_and_case_insensitive() {
+        assert_eq!(parse_size("8.2 GB", "k").unwrap(), 8_200_000_000);
+        assert_eq!(parse_size("1.005kB", "k").unwrap(), 1005);
+        assert_eq!(parse_size("0.1gib", "k").unwrap(), 107_374_182);
+        assert_eq!(parse_size(" 64MiB ", "k").unwrap(), 64 << 20);
+        for bad in ["", "GiB", "5 GiBs", "-1"] {
+            let err = parse_size(bad, "k").unwrap_err().to_string();
+            assert!(err.contains("is not a size like"), "{bad:?}: {err}");
+        }
     }
 }

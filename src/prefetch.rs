@@ -9,7 +9,13 @@
 //! so the first shards of the next epoch are on disk before the trainer asks for them.
 //!
 //! The same schedules are the eviction oracle ([`Foresight`]): an entry's next use is its
-//! smallest distance ahead of any stream's cursor.
+//! smallest distance ahead of any stream's cursor. What that costs, under the one mutex that
+//! every stream's `advance` takes too: an index (shard → the schedules that read it, and
+//! where) is built when a schedule opens and taken down when it goes, O(its length) each;
+//! `advance` is O(1); asking for the next uses of n shards (the cache asks only about its
+//! eviction candidates, and only when it must evict) is O(n · r · log p), r schedules reading
+//! a shard (usually one or two) and p its reads in one schedule (one per epoch). Nothing
+//! walks every schedule.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -45,11 +51,10 @@ pub struct StreamId {
 }
 
 struct Schedule {
+    id: StreamId,
     shards: Vec<ShardUrl>,
     /// Shards the stream has received so far (the one it is loading is still ahead).
     cursor: usize,
-    /// Tells a replaced schedule's handle from the current one's.
-    generation: u64,
     /// `None` while its stream is open.
     ended: Option<Instant>,
 }
@@ -57,15 +62,26 @@ struct Schedule {
 /// The schedules of the open (and recently ended) streams.
 #[derive(Default)]
 pub struct Plans {
-    schedules: Mutex<HashMap<StreamId, Schedule>>,
+    schedules: Mutex<Schedules>,
     next_generation: std::sync::atomic::AtomicU64,
     changed: Notify,
+}
+
+/// Schedules by generation (a new one for every [`Plans::open`], so a replaced schedule's
+/// handle cannot move its successor), with the index the next uses are read from.
+#[derive(Default)]
+struct Schedules {
+    by_generation: HashMap<u64, Schedule>,
+    /// The current schedule of each stream.
+    current: HashMap<StreamId, u64>,
+    /// For each shard URL, the schedules that read it: (generation, its positions there,
+    /// ascending).
+    readers: HashMap<String, Vec<(u64, Vec<usize>)>>,
 }
 
 /// A stream's hold on its schedule: moves its cursor, and lets it linger when dropped.
 pub struct ScheduleHandle {
     plans: Arc<Plans>,
-    id: StreamId,
     generation: u64,
 }
 
@@ -76,20 +92,11 @@ impl Plans {
             .next_generation
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut schedules = self.schedules.lock().unwrap();
-        schedules.insert(
-            id.clone(),
-            Schedule {
-                shards,
-                cursor: 0,
-                generation,
-                ended: None,
-            },
-        );
+        schedules.insert(generation, id, shards);
         drop(schedules);
         self.changed.notify_one();
         ScheduleHandle {
             plans: self.clone(),
-            id,
             generation,
         }
     }
@@ -98,13 +105,12 @@ impl Plans {
     /// with their distance k. Expired schedules are dropped on the way.
     pub fn wanted(&self, per_stream: usize) -> Vec<(ShardUrl, u64)> {
         let mut schedules = self.schedules.lock().unwrap();
-        expire(&mut schedules);
-        let mut ids: Vec<&StreamId> = schedules.keys().collect();
-        ids.sort();
+        schedules.expire();
+        let mut open: Vec<&Schedule> = schedules.by_generation.values().collect();
+        open.sort_by(|a, b| a.id.cmp(&b.id));
         let mut out = Vec::new();
         for k in 0..per_stream {
-            for id in &ids {
-                let s = &schedules[*id];
+            for s in &open {
                 if let Some(shard) = s.shards.get(s.cursor + k) {
                     out.push((shard.clone(), k as u64));
                 }
@@ -115,29 +121,79 @@ impl Plans {
 }
 
 impl Foresight for Plans {
-    fn next_uses(&self) -> HashMap<String, u64> {
+    fn next_uses(&self, shards: &[&str]) -> Vec<Option<u64>> {
         let schedules = self.schedules.lock().unwrap();
-        let mut next: HashMap<String, u64> = HashMap::new();
-        for s in schedules.values() {
-            for (k, shard) in s.shards.iter().skip(s.cursor).enumerate() {
-                let d = next.entry(shard.as_str().to_string()).or_insert(k as u64);
-                *d = (*d).min(k as u64);
-            }
-        }
-        next
+        shards.iter().map(|s| schedules.next_use(s)).collect()
     }
 }
 
-fn expire(schedules: &mut HashMap<StreamId, Schedule>) {
-    schedules.retain(|_, s| s.ended.is_none_or(|at| at.elapsed() < LINGER));
-    let mut ended: Vec<(Instant, StreamId)> = schedules
-        .iter()
-        .filter_map(|(id, s)| s.ended.map(|at| (at, id.clone())))
-        .collect();
-    if ended.len() > MAX_LINGERING {
+impl Schedules {
+    /// Adds a schedule (replacing the stream's earlier one) and indexes its shards.
+    fn insert(&mut self, generation: u64, id: StreamId, shards: Vec<ShardUrl>) {
+        if let Some(old) = self.current.insert(id.clone(), generation) {
+            self.remove(old);
+        }
+        let mut positions: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (at, shard) in shards.iter().enumerate() {
+            positions.entry(shard.as_str()).or_default().push(at);
+        }
+        for (shard, at) in positions {
+            let readers = self.readers.entry(shard.to_string()).or_default();
+            readers.push((generation, at));
+        }
+        let schedule = Schedule {
+            id,
+            shards,
+            cursor: 0,
+            ended: None,
+        };
+        self.by_generation.insert(generation, schedule);
+    }
+
+    /// Takes a schedule and its index entries out.
+    fn remove(&mut self, generation: u64) {
+        let Some(s) = self.by_generation.remove(&generation) else {
+            return;
+        };
+        if self.current.get(&s.id) == Some(&generation) {
+            self.current.remove(&s.id);
+        }
+        for shard in &s.shards {
+            if let Some(readers) = self.readers.get_mut(shard.as_str()) {
+                readers.retain(|(g, _)| *g != generation);
+                if readers.is_empty() {
+                    self.readers.remove(shard.as_str());
+                }
+            }
+        }
+    }
+
+    /// A shard's smallest distance ahead of any schedule's cursor.
+    fn next_use(&self, shard: &str) -> Option<u64> {
+        let readers = self.readers.get(shard)?;
+        readers
+            .iter()
+            .filter_map(|(generation, at)| {
+                let cursor = self.by_generation[generation].cursor;
+                let next = at.get(at.partition_point(|&p| p < cursor))?;
+                Some((next - cursor) as u64)
+            })
+            .min()
+    }
+
+    /// Drops the schedules of streams that ended more than [`LINGER`] ago, and the oldest
+    /// ended ones beyond [`MAX_LINGERING`].
+    fn expire(&mut self) {
+        let mut ended: Vec<(Instant, u64)> = self
+            .by_generation
+            .iter()
+            .filter_map(|(g, s)| s.ended.map(|at| (at, *g)))
+            .collect();
         ended.sort();
-        for (_, id) in &ended[..ended.len() - MAX_LINGERING] {
-            schedules.remove(id);
+        let old = ended.partition_point(|(at, _)| at.elapsed() >= LINGER);
+        let over = ended.len().saturating_sub(MAX_LINGERING);
+        for (_, generation) in &ended[..old.max(over)] {
+            self.remove(*generation);
         }
     }
 }
@@ -146,9 +202,7 @@ impl ScheduleHandle {
     /// The stream has received (pinned) its next shard.
     pub fn advance(&self) {
         let mut schedules = self.plans.schedules.lock().unwrap();
-        if let Some(s) = schedules.get_mut(&self.id)
-            && s.generation == self.generation
-        {
+        if let Some(s) = schedules.by_generation.get_mut(&self.generation) {
             s.cursor += 1;
         }
         drop(schedules);
@@ -159,9 +213,7 @@ impl ScheduleHandle {
 impl Drop for ScheduleHandle {
     fn drop(&mut self) {
         let mut schedules = self.plans.schedules.lock().unwrap();
-        if let Some(s) = schedules.get_mut(&self.id)
-            && s.generation == self.generation
-        {
+        if let Some(s) = schedules.by_generation.get_mut(&self.generation) {
             s.ended = Some(Instant::now());
         }
     }
@@ -301,14 +353,72 @@ mod tests {
         a.advance();
         a.advance();
         assert_eq!(names(plans.wanted(2)), ["a2@0", "b0@0", "b1@1"]);
-        let next = plans.next_uses();
-        assert_eq!(next.get("gs://b/a2"), Some(&0));
-        assert_eq!(next.get("gs://b/b1"), Some(&1));
-        assert_eq!(next.get("gs://b/a0"), None);
+        let next = plans.next_uses(&["gs://b/a2", "gs://b/b1", "gs://b/a0"]);
+        assert_eq!(next, [Some(0), Some(1), None]);
         // An ended stream's schedule lingers; the next epoch's stream replaces it.
         drop(a);
         assert_eq!(names(plans.wanted(1)), ["a2@0", "b0@0"]);
         let _a2 = plans.open(id(0), urls(&["x0"]));
         assert_eq!(names(plans.wanted(1)), ["x0@0", "b0@0"]);
+    }
+
+    /// The next uses as the walk over every schedule found them before the index (the
+    /// index must change what is evicted in no case).
+    fn walk(plans: &Plans, shards: &[&str]) -> Vec<Option<u64>> {
+        let schedules = plans.schedules.lock().unwrap();
+        let mut next: HashMap<String, u64> = HashMap::new();
+        for s in schedules.by_generation.values() {
+            for (k, shard) in s.shards.iter().skip(s.cursor).enumerate() {
+                let d = next.entry(shard.as_str().to_string()).or_insert(k as u64);
+                *d = (*d).min(k as u64);
+            }
+        }
+        shards.iter().map(|s| next.get(*s).copied()).collect()
+    }
+
+    #[test]
+    fn next_uses_match_a_walk_over_every_schedule() {
+        let plans = Arc::new(Plans::default());
+        let names: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
+        let pool = urls(&names.iter().map(String::as_str).collect::<Vec<_>>());
+        let asked: Vec<&str> = pool.iter().map(ShardUrl::as_str).collect();
+        let mut rng = crate::shuffle::SplitMix64::new(7);
+        let mut handles: Vec<Option<ScheduleHandle>> = (0..6).map(|_| None).collect();
+        let (mut opened, mut found) = (0, 0);
+        for _ in 0..3000 {
+            let stream = rng.below(6) as usize;
+            match rng.below(10) {
+                // A stream opens (replacing the same stream's schedule, as the next epoch's does).
+                0 | 1 => {
+                    let len = rng.below(25);
+                    let shards = (0..len).map(|_| pool[rng.below(12) as usize].clone());
+                    handles[stream] = Some(plans.open(id(stream as u32), shards.collect()));
+                    opened += 1;
+                }
+                // It ends: its schedule lingers.
+                2 => handles[stream] = None,
+                _ => {
+                    if let Some(h) = &handles[stream] {
+                        h.advance();
+                    }
+                }
+            }
+            let next = plans.next_uses(&asked);
+            assert_eq!(next, walk(&plans, &asked));
+            found += next.iter().flatten().count();
+        }
+        assert!(
+            opened > 500 && found > 10_000,
+            "{opened} opened, {found} next uses"
+        );
+        // Replaced schedules left nothing behind in the index.
+        let schedules = plans.schedules.lock().unwrap();
+        let indexed: usize = schedules.readers.values().map(Vec::len).sum();
+        let distinct: usize = schedules
+            .by_generation
+            .values()
+            .map(|s| s.shards.iter().collect::<HashSet<_>>().len())
+            .sum();
+        assert_eq!(indexed, distinct);
     }
 }

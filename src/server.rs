@@ -541,10 +541,7 @@ fn fingerprint(
     ] {
         h.update(word.to_le_bytes());
     }
-    h.finalize()[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex::encode(&h.finalize()[..8])
 }
 
 /// Resolves when the client closes its side or sends anything after its request (which

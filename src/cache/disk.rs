@@ -2,22 +2,28 @@
 //!
 //! ```text
 //! <cache.dir>/lock                 flock()ed by the daemon that owns the directory; holds its pid
-//! <cache.dir>/tmp/<pid>-<n>.part   downloads and decompression in progress
-//! <cache.dir>/entries/<key>-<pid>-<n>.tar   an entry's bytes (a plain tar)
+//! <cache.dir>/tmp/<run>-<n>.part   downloads and decompression in progress
+//! <cache.dir>/entries/<key>-<run>-<n>.tar   an entry's bytes (a plain tar)
 //! <cache.dir>/entries/<key>.meta   its metadata record (JSON): the entry exists iff this does
 //! ```
-//! `<key>` is the MD5 of the shard URL, in hex. An entry is committed in this order: the data
-//! is written to `tmp/`, fsynced and renamed into `entries/`; then the metadata record is
-//! written to `tmp/`, fsynced and renamed over `<key>.meta`; then the directory is fsynced.
+//! `<key>` is the MD5 of the shard URL, in hex; `<run>` is random for each run of the daemon
+//! (a pid repeats across restarts: in a container the daemon is often pid 1), so a data file
+//! name never names two files, even across restarts. An entry is committed in this order: the
+//! data is written to `tmp/`, fsynced and renamed into `entries/`; then the metadata record
+//! is written to `tmp/`, fsynced and renamed over `<key>.meta`; then the directory is fsynced.
 //! The metadata rename is the commit: after a crash (even `kill -9` or power loss) an entry is
 //! either whole with its record, or the record is missing and start-up deletes the orphaned
-//! data. Start-up deletes only names of these shapes inside `tmp/` and `entries/` (left by an
-//! earlier run of the daemon that holds the lock now); anything else is left alone.
+//! data. A commit that fails after its data rename removes the data again (nothing stays on
+//! disk uncharged). Start-up deletes only names of these shapes inside `tmp/` and `entries/`
+//! (left by an earlier run of the daemon that holds the lock now); anything else is left
+//! alone. `tmp/` and `entries/` are created again if someone deleted them under a running
+//! daemon.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use md5::Digest;
 use serde::{Deserialize, Serialize};
@@ -63,7 +69,26 @@ pub struct Disk {
     entries: PathBuf,
     /// Held (and flocked) for as long as the daemon runs.
     _lock: File,
+    /// This run's part of every file name (see the module doc).
+    run: String,
     next: AtomicU64,
+    /// Held around reading-and-unlinking a record and around renaming one into place, so
+    /// that removing an entry never unlinks the record of a newer entry for the same URL.
+    /// (Only this process writes the directory: it holds the lock.)
+    records: Mutex<()>,
+    #[cfg(test)]
+    test: TestHooks,
+}
+
+/// Lets tests interleave a removal with a commit.
+#[cfg(test)]
+#[derive(Default)]
+struct TestHooks {
+    /// `remove` signals on the first and waits on the second between reading the record and
+    /// unlinking it.
+    pause_remove: Mutex<Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>>,
+    /// Times a thread found the record lock held and waited for it.
+    contended: AtomicU64,
 }
 
 impl Disk {
@@ -111,7 +136,11 @@ impl Disk {
             tmp,
             entries,
             _lock: lock,
+            run: run_id(),
             next: AtomicU64::new(0),
+            records: Mutex::new(()),
+            #[cfg(test)]
+            test: TestHooks::default(),
         };
         let found = disk.scan().map_err(err)?;
         Ok((disk, found))
@@ -162,12 +191,15 @@ impl Disk {
     /// committed.
     pub fn temp_file(&self) -> io::Result<(TempFile, File)> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let path = self.tmp.join(format!("{}-{n}.part", std::process::id()));
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)?;
+        let path = self.tmp.join(format!("{}-{n}.part", self.run));
+        let create = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+        };
+        let file = in_dir(&self.tmp, create)?;
         Ok((TempFile(Some(path)), file))
     }
 
@@ -179,7 +211,7 @@ impl Disk {
     pub fn commit(&self, data: TempFile, mut meta: Meta) -> io::Result<Meta> {
         let key = key(&meta.url);
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        meta.data = format!("{key}-{}-{n}.tar", std::process::id());
+        meta.data = format!("{key}-{}-{n}.tar", self.run);
         let record = serde_json::to_vec(&meta).map_err(io::Error::other)?;
         if record.len() as u64 > META_MAX {
             return Err(io::Error::other(
@@ -187,34 +219,98 @@ impl Disk {
             ));
         }
         File::open(data.path())?.sync_all()?;
-        std::fs::rename(data.path(), self.entries.join(&meta.data))?;
+        let target = self.entries.join(&meta.data);
+        in_dir(&self.entries, || std::fs::rename(data.path(), &target))?;
         data.disarm();
-        let (record_tmp, mut file) = self.temp_file()?;
-        file.write_all(&record)?;
-        file.sync_all()?;
-        std::fs::rename(record_tmp.path(), self.entries.join(format!("{key}.meta")))?;
-        record_tmp.disarm();
-        File::open(&self.entries)?.sync_all()?;
+        if let Err(e) = self.write_record(&key, &record) {
+            // Not committed: its data must not stay behind, outside the budget.
+            if let Err(e) = self.remove(&meta) {
+                tracing::warn!(url = %meta.url, error = %e, "could not remove an uncommitted cache file");
+            }
+            return Err(e);
+        }
         Ok(meta)
+    }
+
+    /// Writes a record to `tmp/` and renames it over `<key>.meta`: the commit.
+    fn write_record(&self, key: &str, record: &[u8]) -> io::Result<()> {
+        let (record_tmp, mut file) = self.temp_file()?;
+        file.write_all(record)?;
+        file.sync_all()?;
+        {
+            let _records = self.lock_records();
+            std::fs::rename(record_tmp.path(), self.entries.join(format!("{key}.meta")))?;
+        }
+        record_tmp.disarm();
+        File::open(&self.entries)?.sync_all()
+    }
+
+    fn lock_records(&self) -> MutexGuard<'_, ()> {
+        if let Ok(held) = self.records.try_lock() {
+            return held;
+        }
+        #[cfg(test)]
+        self.test.contended.fetch_add(1, Ordering::SeqCst);
+        self.records.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Removes an entry: its record first (so a crash in between leaves only orphaned data,
     /// which start-up removes), then its data.
     pub fn remove(&self, meta: &Meta) -> io::Result<()> {
         let record = self.entries.join(format!("{}.meta", key(&meta.url)));
-        // The record may already name a newer entry for the same URL: only remove ours.
-        let ours = std::fs::read(&record)
-            .ok()
-            .and_then(|t| serde_json::from_slice::<Meta>(&t).ok())
-            .is_some_and(|m| m.data == meta.data);
-        if ours {
-            std::fs::remove_file(&record)?;
+        {
+            // The record may already name a newer entry for the same URL: only remove ours
+            // (the lock keeps a newer one from being renamed in between).
+            let _records = self.lock_records();
+            let ours = std::fs::read(&record)
+                .ok()
+                .and_then(|t| serde_json::from_slice::<Meta>(&t).ok())
+                .is_some_and(|m| m.data == meta.data);
+            #[cfg(test)]
+            self.test.pause_remove();
+            if ours {
+                std::fs::remove_file(&record)?;
+            }
         }
         match std::fs::remove_file(self.entries.join(&meta.data)) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
         }
     }
+}
+
+#[cfg(test)]
+impl TestHooks {
+    fn pause_remove(&self) {
+        if let Some((paused, resume)) = self.pause_remove.lock().unwrap().take() {
+            paused.send(()).unwrap();
+            resume.recv().unwrap();
+        }
+    }
+}
+
+/// Runs `op` on a file in `dir`; if it fails with `NotFound`, creates `dir` (deleted under
+/// the daemon by an operator or a cleaner) and runs it once more.
+fn in_dir<T>(dir: &Path, op: impl Fn() -> io::Result<T>) -> io::Result<T> {
+    match op() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound && !dir.is_dir() => {
+            tracing::warn!(dir = %dir.display(), "a cache directory was deleted: creating it again");
+            std::fs::create_dir_all(dir)?;
+            op()
+        }
+        other => other,
+    }
+}
+
+/// 64 random bits, in hex: this run's part of file names. (`RandomState` is seeded by the
+/// OS; the clock and pid are mixed in for good measure.)
+fn run_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    h.write_u128(now.map(|d| d.as_nanos()).unwrap_or_default());
+    h.write_u32(std::process::id());
+    format!("{:016x}", h.finish())
 }
 
 /// A file in `tmp/` that is deleted on drop unless disarmed.
@@ -252,7 +348,7 @@ pub fn checksums(path: &Path, with_md5: bool) -> io::Result<(u32, Option<String>
             h.update(&buf[..n]);
         }
     }
-    Ok((crc, md5.map(|h| hex(&h.finalize()))))
+    Ok((crc, md5.map(|h| hex::encode(h.finalize()))))
 }
 
 /// Whether a file starts with the gzip magic bytes (as `tarfile` and webdataset detect it).
@@ -264,11 +360,7 @@ pub fn is_gzip(path: &Path) -> io::Result<bool> {
 
 /// The file name an entry's record has: the URL's MD5 in hex.
 fn key(url: &str) -> String {
-    hex(&md5::Md5::digest(url.as_bytes()))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(md5::Md5::digest(url.as_bytes()))
 }
 
 fn list(dir: &Path) -> io::Result<Vec<PathBuf>> {
@@ -290,6 +382,8 @@ fn file_name(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
 
     fn meta(url: &str, size: u64) -> Meta {
         Meta {
@@ -374,6 +468,110 @@ mod tests {
         std::fs::write(&data, b"aa").unwrap();
         let (_disk, found) = Disk::open(dir.path()).unwrap();
         assert!(found.is_empty());
+    }
+
+    /// A daemon that restarts with the same pid (pid 1 in a container) must not name a new
+    /// entry's data like one a record of the earlier run names: the new data would overwrite
+    /// it, and removing the old entry would remove the new one.
+    #[test]
+    fn data_names_are_unique_across_restarts_with_the_same_pid() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = "gs://b/a.tar";
+        let first = {
+            let (disk, _) = Disk::open(dir.path()).unwrap();
+            commit(&disk, url, b"first")
+        };
+        let second = {
+            let (disk, found) = Disk::open(dir.path()).unwrap();
+            assert_eq!(found, vec![first.clone()]);
+            // The new run loads the shard again before the old entry's removal has run.
+            let second = commit(&disk, url, b"second");
+            disk.remove(&first).unwrap();
+            second
+        };
+        assert_ne!(first.data, second.data);
+        let (disk, found) = Disk::open(dir.path()).unwrap();
+        assert_eq!(found, vec![second.clone()]);
+        assert_eq!(std::fs::read(disk.data_path(&second)).unwrap(), b"second");
+    }
+
+    /// `remove` reads the record, finds it is its entry's, and is about to unlink it when a
+    /// commit of a newer entry for the same URL renames its record into place: the newer
+    /// record must survive.
+    #[test]
+    fn remove_never_unlinks_a_newer_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = "gs://b/a.tar";
+        let (disk, _) = Disk::open(dir.path()).unwrap();
+        let disk = std::sync::Arc::new(disk);
+        let old = commit(&disk, url, b"old");
+        let (paused, remove_paused) = std::sync::mpsc::channel();
+        let (resume_remove, resume) = std::sync::mpsc::channel();
+        *disk.test.pause_remove.lock().unwrap() = Some((paused, resume));
+        let remover = {
+            let (disk, old) = (disk.clone(), old.clone());
+            std::thread::spawn(move || disk.remove(&old))
+        };
+        remove_paused.recv_timeout(DEADLINE).unwrap();
+        let committer = {
+            let disk = disk.clone();
+            std::thread::spawn(move || commit(&disk, url, b"new"))
+        };
+        // Until the commit is done, or waits for the removal to finish.
+        let deadline = std::time::Instant::now() + DEADLINE;
+        while !committer.is_finished() && disk.test.contended.load(Ordering::SeqCst) == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the commit never got going"
+            );
+            std::thread::yield_now();
+        }
+        resume_remove.send(()).unwrap();
+        remover.join().unwrap().unwrap();
+        let new = committer.join().unwrap();
+        drop(disk);
+        let (disk, found) = Disk::open(dir.path()).unwrap();
+        assert_eq!(found, vec![new.clone()]);
+        assert_eq!(std::fs::read(disk.data_path(&new)).unwrap(), b"new");
+    }
+
+    /// A commit whose record cannot be written (here its name is taken by a directory)
+    /// leaves no data file behind in `entries/`: nobody would be charged for it.
+    #[test]
+    fn a_failed_commit_leaves_no_data_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = "gs://b/a.tar";
+        let (disk, _) = Disk::open(dir.path()).unwrap();
+        let record = format!("{}.meta", key(url));
+        std::fs::create_dir_all(dir.path().join("entries").join(&record).join("x")).unwrap();
+        let (tmp, mut f) = disk.temp_file().unwrap();
+        f.write_all(b"data").unwrap();
+        let err = disk.commit(tmp, meta(url, 4)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::IsADirectory, "{err}");
+        let names = |d: &str| -> Vec<String> {
+            list(&dir.path().join(d))
+                .unwrap()
+                .iter()
+                .map(|p| file_name(p))
+                .collect()
+        };
+        assert_eq!(names("entries"), vec![record]);
+        assert_eq!(names("tmp"), Vec::<String>::new());
+    }
+
+    /// An operator deletes `tmp/` and `entries/` under a running daemon: they are created
+    /// again, and commits go on.
+    #[test]
+    fn deleted_directories_are_created_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (disk, _) = Disk::open(dir.path()).unwrap();
+        std::fs::remove_dir_all(dir.path().join("tmp")).unwrap();
+        std::fs::remove_dir_all(dir.path().join("entries")).unwrap();
+        let m = commit(&disk, "gs://b/a.tar", b"aaaa");
+        assert_eq!(std::fs::read(disk.data_path(&m)).unwrap(), b"aaaa");
+        drop(disk);
+        let (_disk, found) = Disk::open(dir.path()).unwrap();
+        assert_eq!(found, vec![m]);
     }
 
     #[test]

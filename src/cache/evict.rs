@@ -6,20 +6,21 @@
 //! least recently used. A prefetch may only evict entries needed later than the shard it
 //! brings in, so prefetching never pushes out what is needed sooner.
 
-use std::collections::HashMap;
-
-/// What the cache knows about the future: for each shard URL the open streams will read,
-/// how soon (in shards, counted per stream from its current position; smaller is sooner).
+/// What the cache knows about the future: for each of `shards` (URLs), how soon the open
+/// streams will read it (in shards, counted per stream from its current position; smaller
+/// is sooner), or `None` if no open stream will. The cache asks only about the entries it
+/// could evict, only when it must evict, and under its state lock: an implementation must
+/// be cheap and must never call into the cache.
 pub trait Foresight: Send + Sync {
-    fn next_uses(&self) -> HashMap<String, u64>;
+    fn next_uses(&self, shards: &[&str]) -> Vec<Option<u64>>;
 }
 
 /// No knowledge of the future (`shardd warm`, tests): every entry is "not needed".
 pub struct NoForesight;
 
 impl Foresight for NoForesight {
-    fn next_uses(&self) -> HashMap<String, u64> {
-        HashMap::new()
+    fn next_uses(&self, shards: &[&str]) -> Vec<Option<u64>> {
+        vec![None; shards.len()]
     }
 }
 
@@ -68,6 +69,8 @@ pub fn choose(
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
     use crate::config::Topology;
     use crate::plan::{Shape, StreamRequest, plan_stream};

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
-use crate::cache::evict::NoForesight;
+use crate::cache::evict::{Foresight, NoForesight};
 use crate::config::Config;
 
 struct Fixture {
@@ -43,20 +43,40 @@ impl Fixture {
     }
 
     fn open(&self, max_bytes: u64, revalidate: Duration) -> Cache {
-        let stores = Arc::new(Stores::from_config(&self.config, self.metrics.clone()).unwrap());
         let limits = Limits {
             max_bytes,
             space_timeout: Duration::from_millis(300),
             revalidate,
         };
+        self.open_with(limits, Arc::new(NoForesight))
+    }
+
+    fn open_with(&self, limits: Limits, foresight: Arc<dyn Foresight>) -> Cache {
+        let stores = Arc::new(Stores::from_config(&self.config, self.metrics.clone()).unwrap());
         Cache::open(
             &self.cache_dir,
             limits,
             stores,
-            Arc::new(NoForesight),
+            foresight,
             self.metrics.clone(),
         )
         .unwrap()
+    }
+
+    /// Replaces shard `i` with `plain` gzipped; returns the compressed size.
+    fn gzip(&self, i: usize, plain: &[u8]) -> u64 {
+        use std::io::Write;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(plain).unwrap();
+        let gz = gz.finish().unwrap();
+        std::fs::write(self.src.join(format!("s{i}.tar")), &gz).unwrap();
+        gz.len() as u64
+    }
+
+    fn tmp_files(&self) -> usize {
+        std::fs::read_dir(self.cache_dir.join("tmp"))
+            .unwrap()
+            .count()
     }
 
     fn shard(&self, i: usize) -> ShardUrl {
@@ -89,6 +109,54 @@ fn content(i: usize, size: usize) -> Vec<u8> {
 }
 
 const HOUR: Duration = Duration::from_secs(3600);
+const MIB: u64 = 1 << 20;
+/// How long a test waits for a condition before it fails.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// A foresight with next uses the test sets, that counts how often it is asked.
+#[derive(Default)]
+struct Oracle {
+    next: std::sync::Mutex<HashMap<String, u64>>,
+    asked: std::sync::atomic::AtomicUsize,
+}
+
+impl Oracle {
+    fn set(&self, shard: &ShardUrl, next_use: u64) {
+        let mut next = self.next.lock().unwrap();
+        next.insert(shard.as_str().to_string(), next_use);
+    }
+
+    fn asked(&self) -> usize {
+        self.asked.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Foresight for Oracle {
+    fn next_uses(&self, shards: &[&str]) -> Vec<Option<u64>> {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let next = self.next.lock().unwrap();
+        shards.iter().map(|s| next.get(*s).copied()).collect()
+    }
+}
+
+fn limits(max_bytes: u64, space_timeout: Duration) -> Limits {
+    Limits {
+        max_bytes,
+        space_timeout,
+        revalidate: HOUR,
+    }
+}
+
+/// Polls `condition` until it holds; fails the test after [`DEADLINE`], or as soon as
+/// `task` (what should be waiting) has ended.
+async fn wait_until<T>(task: &tokio::task::JoinHandle<T>, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(!task.is_finished(), "the task ended instead of waiting");
+        assert!(Instant::now() < deadline, "timed out");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_gets_read_the_source_once() {
@@ -246,4 +314,173 @@ async fn gzip_is_stored_decompressed_within_the_budget() {
         0
     );
     assert_eq!(small.metrics.cache_bytes.get(), 0);
+}
+
+/// A load started while the runtime shuts down: the runtime drops the new task inside
+/// `spawn`, and the task's guard takes the state lock, so the load must not be spawned
+/// under that lock. The caller gets an error instead of a deadlock.
+#[test]
+fn a_load_started_during_runtime_shutdown_fails_without_a_deadlock() {
+    let f = Fixture::new(1, 1000);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let cache = {
+        let _context = rt.enter();
+        f.open(10 << 20, HOUR)
+    };
+    let handle = rt.handle().clone();
+    rt.shutdown_background();
+    let (done, result) = std::sync::mpsc::channel();
+    let (c, s) = (cache.clone(), f.shard(0));
+    std::thread::spawn(move || {
+        let got = handle.block_on(c.get(&s)).map(|b| b.len());
+        let _ = done.send(got.map_err(|e| e.to_string()));
+    });
+    let got = result
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the get deadlocked");
+    let err = got.unwrap_err();
+    assert!(
+        err.starts_with(&format!("{}: internal error: task ", f.shard(0)))
+            && err.ends_with(" was cancelled"),
+        "{err}"
+    );
+    // The slot was cleared: nothing is left loading.
+    assert_eq!(cache.usage().loading, 0);
+}
+
+/// A gzipped shard a stream needs, decompressing into space another stream has pinned:
+/// it waits for the pin as any demand load waits (before, it failed at once with
+/// "decompresses to more than the cache can hold"), then evicts the released entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_output_waits_for_pinned_space_like_a_demand_load() {
+    let f = Fixture::new(2, 2 * MIB as usize);
+    let plain = vec![7u8; 3 * MIB as usize];
+    let compressed = f.gzip(1, &plain);
+    let max = 4 * MIB;
+    let cache = f.open_with(limits(max, DEADLINE), Arc::new(NoForesight));
+    let pinned = cache.get(&f.shard(0)).await.unwrap();
+    let load = {
+        let (cache, s) = (cache.clone(), f.shard(1));
+        tokio::spawn(async move { cache.get(&s).await.map(|b| b[..] == plain[..]) })
+    };
+    wait_until(&load, || cache.usage().waiting == 1).await;
+    // Waiting mid-decompression: the download and the first MiB of output are reserved.
+    let held = f.metrics.cache_bytes.get() as u64 - (2 * MIB + META_MAX);
+    assert_eq!(held, compressed + META_MAX + MIB);
+    drop(pinned);
+    assert!(
+        load.await.unwrap().unwrap(),
+        "the decompressed bytes differ"
+    );
+    assert_eq!(f.metrics.cache_evictions_total.get(), 1);
+    assert_eq!(f.metrics.cache_bytes.get() as u64, 3 * MIB + META_MAX);
+    assert!(f.bytes_on_disk() <= max);
+    assert_eq!(f.metrics.cache_full_total.get(), 0);
+}
+
+/// The same, with the pin never released: `cache_full` after `cache.space_timeout`, naming
+/// what the load needed so far, and nothing of the load is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_output_that_never_finds_space_fails_as_cache_full() {
+    let f = Fixture::new(2, 2 * MIB as usize);
+    let compressed = f.gzip(1, &vec![7u8; 3 * MIB as usize]);
+    let max = 4 * MIB;
+    let cache = f.open_with(
+        limits(max, Duration::from_millis(300)),
+        Arc::new(NoForesight),
+    );
+    let _pinned = cache.get(&f.shard(0)).await.unwrap();
+    let err = cache.get(&f.shard(1)).await.unwrap_err().to_string();
+    let need = compressed + META_MAX + 2 * MIB;
+    let pinned = 2 * MIB + META_MAX;
+    assert!(
+        err.starts_with(&format!(
+            "cache full: {} needs {need} bytes but cache.max_size is {max} bytes, of which {pinned} are pinned by open streams and {} reserved",
+            f.shard(1),
+            compressed + META_MAX + MIB
+        )),
+        "{err}"
+    );
+    assert_eq!(f.metrics.cache_full_total.get(), 1);
+    assert_eq!(f.metrics.cache_bytes.get() as u64, pinned);
+    assert_eq!(f.tmp_files(), 0);
+}
+
+/// Decompressing evicts only what the load's purpose allows: a warm-up nothing, a prefetch
+/// only entries needed later than it (before, both evicted what a stream needs next).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_output_evicts_only_what_the_purpose_allows() {
+    let f = Fixture::new(3, MIB as usize);
+    let plain = vec![7u8; 2 * MIB as usize];
+    let compressed = f.gzip(1, &plain);
+    let (needed, spare, gz) = (f.shard(0), f.shard(2), f.shard(1));
+    // Room for `needed`, `spare` and the download, not for the output besides.
+    let max = (MIB + META_MAX) + (compressed + META_MAX) + 2 * MIB + 4096;
+    let oracle = Arc::new(Oracle::default());
+    oracle.set(&needed, 0);
+    let cache = f.open_with(limits(max, DEADLINE), oracle.clone());
+    cache.get(&needed).await.unwrap();
+    let spare_pin = cache.get(&spare).await.unwrap();
+    let no_room = format!("{gz}: no room to prefetch");
+
+    let warm = cache.ensure(&gz, Purpose::Warm).await.unwrap_err();
+    assert_eq!(warm.to_string(), no_room);
+    // The prefetch is needed at 3, `needed` at 0, and `spare` is pinned.
+    let prefetch = Purpose::Prefetch { distance: 3 };
+    let err = cache.ensure(&gz, prefetch).await.unwrap_err();
+    assert_eq!(err.to_string(), no_room);
+    assert!(cache.is_ready(&needed) && cache.is_ready(&spare));
+    assert_eq!(f.metrics.cache_evictions_total.get(), 0);
+    assert_eq!(f.tmp_files(), 0);
+
+    // `spare` released (needed by nobody): the prefetch evicts it, never `needed`.
+    drop(spare_pin);
+    let loaded = cache.ensure(&gz, prefetch).await.unwrap();
+    assert_eq!(loaded, Ensured::Loaded(compressed));
+    assert!(cache.is_ready(&needed) && !cache.is_ready(&spare));
+    assert_eq!(f.metrics.cache_evictions_total.get(), 1);
+    assert!(cache.get(&gz).await.unwrap()[..] == plain[..]);
+    assert!(f.bytes_on_disk() <= max);
+}
+
+/// Decompressing into free space does not ask the foresight at all (before, it rebuilt the
+/// whole next-use index for every MiB of output).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_output_asks_the_foresight_only_to_evict() {
+    let f = Fixture::new(1, 10);
+    let plain = vec![7u8; 8 * MIB as usize];
+    f.gzip(0, &plain);
+    let oracle = Arc::new(Oracle::default());
+    let cache = f.open_with(limits(64 * MIB, DEADLINE), oracle.clone());
+    assert!(cache.get(&f.shard(0)).await.unwrap()[..] == plain[..]);
+    assert_eq!(oracle.asked(), 0);
+}
+
+/// Files deleted under the daemon: an entry's data file, then both directories. Each next
+/// get fetches the shard again (before, it failed with "mapping the cache file" for as long
+/// as the entry stayed).
+#[tokio::test]
+async fn deleted_cache_files_are_fetched_again() {
+    let f = Fixture::new(2, 70_000);
+    let cache = f.open(10 << 20, HOUR);
+    for i in 0..2 {
+        cache.get(&f.shard(i)).await.unwrap();
+    }
+    let entries = f.cache_dir.join("entries");
+    for e in std::fs::read_dir(&entries).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|e| e == "tar") {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    assert!(cache.get(&f.shard(0)).await.unwrap()[..] == content(0, 70_000)[..]);
+    assert_eq!(f.reads(), 3);
+    std::fs::remove_dir_all(&entries).unwrap();
+    std::fs::remove_dir_all(f.cache_dir.join("tmp")).unwrap();
+    for i in 0..2 {
+        assert!(cache.get(&f.shard(i)).await.unwrap()[..] == content(i, 70_000)[..]);
+    }
+    assert_eq!(f.reads(), 5);
+    assert_eq!(f.metrics.cache_bytes.get() as u64, 2 * (70_000 + META_MAX));
+    assert_eq!(f.metrics.cache_verify_failures_total.get(), 0);
 }

@@ -1,0 +1,89 @@
+//! Pins: a stream reading an entry holds one, and the entry is never evicted or replaced
+//! until the last slice of its bytes is dropped.
+
+use std::sync::Arc;
+
+use super::{Entry, Inner, Slot};
+
+/// Keeps an entry pinned, and its mapping alive, while any slice of its bytes lives.
+pub(super) struct Pinned {
+    pub(super) map: Arc<memmap2::Mmap>,
+    pub(super) _pin: Pin,
+}
+
+impl AsRef<[u8]> for Pinned {
+    fn as_ref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+pub(super) struct Pin {
+    pub(super) inner: Arc<Inner>,
+    pub(super) url: String,
+    pub(super) entry: Arc<Entry>,
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        let mut st = self.inner.state.lock().unwrap();
+        if let Some(Slot::Ready(r)) = st.slots.get_mut(&self.url)
+            && Arc::ptr_eq(&r.entry, &self.entry)
+        {
+            r.pins -= 1;
+            if r.pins == 0 {
+                st.pinned -= self.entry.charge;
+                st.releases += 1;
+                self.inner.publish(&st);
+                drop(st);
+                self.inner.space.notify_waiters();
+                self.inner.events.notify_one();
+            }
+        }
+    }
+}
+
+/// The mapping of an entry's file that its readers share: the live one, or a new one.
+/// `None` for an empty file.
+pub(super) async fn map_entry(entry: &Arc<Entry>) -> std::io::Result<Option<Arc<memmap2::Mmap>>> {
+    if let Some(map) = entry.map.lock().unwrap().upgrade() {
+        return Ok(Some(map));
+    }
+    let e = entry.clone();
+    let mapped = tokio::task::spawn_blocking(move || map_file(&e.path))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))?;
+    Ok(mapped.map(|map| {
+        let map = Arc::new(map);
+        *entry.map.lock().unwrap() = Arc::downgrade(&map);
+        map
+    }))
+}
+
+impl Inner {
+    /// Marks an entry as needing its checksum checked before it is served again (its file
+    /// was found missing): the next reader's load rechecks it, finds it unreadable and
+    /// fetches the shard again.
+    pub(super) fn distrust(&self, entry: &Arc<Entry>) {
+        let mut st = self.state.lock().unwrap();
+        if let Some(Slot::Ready(r)) = st.slots.get_mut(&entry.meta.url)
+            && Arc::ptr_eq(&r.entry, entry)
+        {
+            r.verified = false;
+        }
+    }
+}
+
+/// Maps a cache file read-only, pages read in (in a blocking thread, so that sending never
+/// faults on disk reads); `None` for an empty file, which cannot be mapped.
+fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
+    let file = std::fs::File::open(path)?;
+    if file.metadata()?.len() == 0 {
+        return Ok(None);
+    }
+    // SAFETY: the file is a committed cache entry in a directory this daemon holds the lock
+    // on; the daemon never writes to a committed entry, and eviction unlinks it, which leaves
+    // a mapping intact. (An operator truncating files inside cache.dir while the daemon runs
+    // is outside this contract.)
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }?;
+    Ok(Some(map))
+}
