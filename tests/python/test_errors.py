@@ -181,12 +181,15 @@ def test_abandoned_streams_free_their_slots(daemon):
 
 
 def test_killed_daemon_is_an_error_then_restart_serves(daemon):
-    with shardd.Client(daemon.socket) as c:
+    # Reconnecting off: the cut itself is the error (tests/python/test_reconnect.py: on).
+    with shardd.Client(daemon.socket, reconnect_timeout=0) as c:
         stream = c.stream("train", epoch=0, rank=0, world_size=1)
         next(stream)
         daemon.kill()
-        with pytest.raises(shardd.ProtocolError, match="closed the connection mid-stream"):
+        with pytest.raises(shardd.ConnectionLostError) as e:
             list(stream)
+    assert str(e.value) == f"the shardd daemon at {daemon.socket} closed the connection mid-stream"
+    assert isinstance(e.value, shardd.ProtocolError) and isinstance(e.value, ConnectionError)
     daemon.start()  # replaces the stale socket file left by the killed process
     still_serves(daemon)
 
