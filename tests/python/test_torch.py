@@ -300,20 +300,26 @@ def test_plain_dataloader_resumes_exactly_after_a_batch_count(served, num_worker
 
 
 def test_errors_name_what_is_wrong(served, tmp_path):
-    ds = st.ShardDataset("exact", socket=tmp_path / "none.sock")
-    with pytest.raises(ConnectionError, match=f"no shardd daemon at {tmp_path}/none.sock \\(No such file or directory\\): start"):
+    # Reconnecting off: at once (test_reconnect.py has the wait for a restarting daemon).
+    ds = st.ShardDataset("exact", socket=tmp_path / "none.sock", reconnect_timeout=0)
+    with pytest.raises(shardd.UnavailableError) as e:
         next(iter(ds))
+    assert str(e.value) == (
+        f"no shardd daemon at {tmp_path}/none.sock (No such file or directory): start `shardd "
+        f"serve`, or pass ShardDataset(socket=...) or set SHARDD_SOCKET to its server.socket")
+    assert isinstance(e.value, ConnectionError)
     with pytest.raises(shardd.DaemonError, match='unknown dataset "nope"'):
         next(iter(st.ShardDataset("nope", socket=served.socket)))
     # From a worker, torch re-raises the exception type with the worker's traceback as its
     # message (DaemonError takes a lone message for that; the code does not travel).
     with pytest.raises(shardd.DaemonError, match='unknown dataset "nope"'):
         list(make_loader(st.ShardDataset("nope", socket=served.socket), 2))
-    # PlanMismatch comes back as itself.
+    # PlanMismatch (here its PlanChangedError) comes back as itself.
     ds = st.ShardDataset("exact", socket=served.socket)
     ds.load_state_dict(dict(ds.state_dict(), position=3, fingerprint="0123456789abcdef"))
-    with pytest.raises(st.PlanMismatch, match="cannot resume epoch 0 .* saved on plan 0123456789abcdef"):
+    with pytest.raises(st.PlanChangedError, match="cannot resume epoch 0 .* saved on plan 0123456789abcdef"):
         list(make_loader(ds, 1))
+    assert st.PlanMismatch is shardd.PlanMismatch and issubclass(st.PlanMismatch, shardd.Error)
 
 
 def test_skip_with_workers_needs_a_manifest(served):
