@@ -10,6 +10,9 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::braces;
+/// The plan owns the topology type; the config fills it in (`[host]`).
+pub use crate::plan::Topology;
+use crate::plan::Shape;
 use crate::url::{ShardUrl, UrlError};
 
 #[derive(Debug, thiserror::Error)]
@@ -227,28 +230,6 @@ pub struct Config {
     pub datasets: BTreeMap<String, Dataset>,
 }
 
-/// Where this host sits among the hosts of the job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Topology {
-    pub index: u32,
-    pub count: u32,
-}
-
-impl Topology {
-    pub fn check(&self) -> Result<(), String> {
-        if self.count == 0 {
-            return Err("host.count must be at least 1".into());
-        }
-        if self.index >= self.count {
-            return Err(format!(
-                "host.index {} must be less than host.count {}",
-                self.index, self.count
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// Which of `host.index` and `host.count` are `"auto"`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostAuto {
@@ -289,8 +270,8 @@ impl Dataset {
     }
 
     /// What the plan needs to know about this dataset.
-    pub fn shape(&self) -> crate::plan::Shape<'_> {
-        crate::plan::Shape {
+    pub fn shape(&self) -> Shape<'_> {
+        Shape {
             num_shards: self.shards.len(),
             counts: self.counts.as_deref(),
             share_seed: self.share_seed,

@@ -59,8 +59,11 @@ pub struct Metrics {
     /// Shards a stream needed that found no space within `cache.space_timeout` (the stream
     /// fails with `cache_full`): the cache is too small for what the open streams hold.
     pub cache_full_total: IntCounter,
-    /// Streams ended because their client read nothing for `server.stall_timeout`.
-    pub streams_stalled_total: IntCounter,
+    /// Times a stream was parked: its client took no byte for `server.stall_timeout`, so
+    /// the stream let go of its shards until the client reads again.
+    pub stream_parks_total: IntCounter,
+    /// Streams parked now.
+    pub streams_parked: IntGauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -189,7 +192,8 @@ impl Metrics {
             cache_verify_failures_total: counter("cache_verify_failures_total", "Downloads or cache entries whose size or checksum did not verify."),
             cache_prefetched_bytes_total: counter("cache_prefetched_bytes_total", "Bytes fetched into the cache before any stream asked for them."),
             cache_full_total: counter("cache_full_total", "Shards a stream needed that found no cache space within cache.space_timeout (the stream failed with cache_full)."),
-            streams_stalled_total: counter("streams_stalled_total", "Streams ended because the client read nothing for server.stall_timeout."),
+            stream_parks_total: counter("stream_parks_total", "Times a stream was parked: its client took no data for server.stall_timeout, so it released its shards until the client reads again."),
+            streams_parked: gauge("streams_parked", "Streams parked now (their clients paused; they hold no shards)."),
             registry,
         }
     }

@@ -36,8 +36,29 @@
 //! In both modes every stream's samples are then shuffled in windows (`shuffle.rs`), which is
 //! what makes an exact resume cost one window.
 
-use crate::config::Topology;
 use crate::shuffle::{self, SplitMix64, tag};
+
+/// Where this host sits among the hosts of the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Topology {
+    pub fn check(&self) -> Result<(), String> {
+        if self.count == 0 {
+            return Err("host.count must be at least 1".into());
+        }
+        if self.index >= self.count {
+            return Err(format!(
+                "host.index {} must be less than host.count {}",
+                self.index, self.count
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// What a trainer asks for: its place in the job and the epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -268,23 +289,35 @@ fn plan_samples(
     let here: u128 = pieces.iter().map(|p| len(p) as u128).sum();
     let streams = (req.world_size / host.count) as u128 * req.num_workers as u128;
     let stream = local_rank as u128 * req.num_workers as u128 + req.worker as u128;
+    let epoch = req.epoch as u128;
     let (per_stream, epoch_start, dropped) = match shape.samples_per_epoch {
         None => {
             let c = total / host.count as u128 / streams;
-            (c, req.epoch as u128 * here, here - c * streams)
+            (c, epoch.checked_mul(here), here - c * streams)
         }
         Some(e) => {
             if here == 0 {
                 return Err(PlanError::NoSamples);
             }
             let e = e as u128;
-            (e, req.epoch as u128 * e * streams, 0)
+            // Up to 2^64 · 2^64 · 2^64: past u128 for absurd epochs, refused below.
+            (
+                e,
+                epoch.checked_mul(e).and_then(|x| x.checked_mul(streams)),
+                0,
+            )
         }
     };
-    let from = epoch_start + stream * per_stream;
-    if (from + per_stream) / here.max(1) > u64::MAX as u128 {
+    // The stream's first sample in the host's endless sequence; its pass must fit a u64.
+    let from = epoch_start
+        .and_then(|s| s.checked_add(stream * per_stream))
+        .filter(|from| {
+            from.checked_add(per_stream)
+                .is_some_and(|end| end / here.max(1) <= u64::MAX as u128)
+        });
+    let Some(from) = from else {
         return Err(PlanError::EpochTooLarge { epoch: req.epoch });
-    }
+    };
     Ok(StreamPlan {
         pieces: take(&pieces, here, req.seed, host, from, per_stream),
         stream_key,
@@ -738,5 +771,29 @@ mod tests {
             plan_stream(shape, topo, &req(0, 0, 2, 4, 0, 1)).unwrap_err(),
             PlanError::NoSamples
         );
+    }
+
+    /// epoch × samples_per_epoch × streams passes u128 for absurd requests: refused, never a
+    /// panic (debug) or a wrapped plan (release).
+    #[test]
+    fn refuses_epochs_whose_start_overflows() {
+        let counts = [3u64, 5];
+        let topo = Topology { index: 0, count: 1 };
+        for (e, epoch, world, workers) in [
+            (u64::MAX, u64::MAX, u32::MAX, u32::MAX),
+            (u64::MAX, u64::MAX, 1, 1),
+            (1 << 40, 1 << 60, 1 << 20, 1 << 20),
+        ] {
+            let shape = Shape {
+                counts: Some(&counts),
+                samples_per_epoch: Some(e),
+                ..Shape::shards(2)
+            };
+            let r = req(0, epoch, 0, world, 0, workers);
+            assert_eq!(
+                plan_stream(shape, topo, &r).unwrap_err(),
+                PlanError::EpochTooLarge { epoch },
+            );
+        }
     }
 }

@@ -16,7 +16,7 @@ use crate::shard::Sample;
 
 /// First bytes each side sends: magic, then the protocol version (u16, little-endian).
 pub const MAGIC: &[u8; 6] = b"SHARDD";
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// The oldest client version the daemon still serves (version 1 has no `start`).
 pub const OLDEST_VERSION: u16 = 1;
 pub const PREAMBLE_LEN: usize = 8;
@@ -60,7 +60,8 @@ impl Kind {
     }
 }
 
-/// REQUEST (client → daemon), the only request of protocol 1: one stream per connection.
+/// REQUEST (client → daemon): `op` "stream" (one stream per connection) or, from version 3,
+/// "plan" (only the START that a stream would get; nothing is loaded).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Request {

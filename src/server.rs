@@ -20,7 +20,7 @@ use crate::config::Config;
 use crate::metrics::Active;
 use crate::plan::{self, StreamRequest};
 use crate::prefetch::StreamId;
-use crate::protocol::{self, ErrorFrame, Kind, Request, Start};
+use crate::protocol::{self, End, ErrorFrame, Kind, Request, Start};
 use crate::sink::Sink;
 use crate::stream::{self, StreamContext, StreamError};
 
@@ -188,20 +188,58 @@ async fn serve(
     peer: Option<tokio::net::unix::UCred>,
     preamble_sent: &mut bool,
 ) -> Result<(), Refusal> {
-    let config = &daemon.config;
-    let handshake = handshake(rd, wr, preamble_sent);
-    let req = match tokio::time::timeout(config.handshake_timeout, handshake).await {
+    let timeout = daemon.config.handshake_timeout;
+    let req = match tokio::time::timeout(timeout, handshake(rd, wr, preamble_sent)).await {
         Ok(r) => r?,
         Err(_) => {
             return Err(refuse(
                 "bad_handshake",
-                format!(
-                    "no complete request within server.handshake_timeout ({:?})",
-                    config.handshake_timeout
-                ),
+                format!("no complete request within server.handshake_timeout ({timeout:?})"),
             ));
         }
     };
+    let planned = plan_request(daemon, &req).await?;
+    protocol::write_json(wr, Kind::Start, &planned.start)
+        .await
+        .map_err(|e| refuse("client_gone", e.to_string()))?;
+    if req.op == "plan" {
+        // Nothing registered, nothing loaded: the START was the answer.
+        let end = End {
+            samples: 0,
+            bytes: 0,
+        };
+        let _ = tokio::time::timeout(
+            ERROR_WRITE_TIMEOUT,
+            protocol::write_json(wr, Kind::End, &end),
+        )
+        .await;
+        return Ok(());
+    }
+    let span = tracing::info_span!(
+        "stream",
+        dataset = %req.dataset,
+        epoch = req.epoch,
+        rank = req.rank,
+        worker = req.worker,
+        shards = planned.plan.pieces.len(),
+        peer_pid = peer.and_then(|p| p.pid()),
+        peer_uid = peer.map(|p| p.uid()),
+    );
+    let outcome = run_stream(rd, wr, daemon, shutdown, peer, &req, planned, &span).await;
+    report(&daemon.streams.metrics, &req.dataset, &span, outcome)
+}
+
+/// An accepted request: its plan and the START frame that says so.
+struct Planned {
+    plan: plan::StreamPlan,
+    /// Shards the same stream reads next epoch, for the prefetcher.
+    next_epoch: Vec<usize>,
+    start: Start,
+}
+
+/// Checks a request against the config and plans it; a refusal names what is wrong.
+async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Refusal> {
+    let config = &daemon.config;
     let dataset = config.datasets.get(&req.dataset).ok_or_else(|| {
         let known: Vec<&str> = config.datasets.keys().map(String::as_str).collect();
         refuse(
@@ -213,15 +251,8 @@ async fn serve(
             ),
         )
     })?;
-    let stream_req = StreamRequest {
-        seed: req.seed,
-        epoch: req.epoch,
-        rank: req.rank,
-        world_size: req.world_size,
-        worker: req.worker,
-        num_workers: req.num_workers,
-    };
-    let (plan, next_epoch) = plan_off_runtime(daemon, &req.dataset, stream_req)
+    let stream_req = stream_request(req);
+    let (plan, next_epoch) = plan_off_runtime(daemon, &req.dataset, stream_req, req.op == "stream")
         .await
         .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
     if let Some(samples) = plan.samples
@@ -229,38 +260,13 @@ async fn serve(
     {
         return Err(refuse(
             "bad_request",
-            format!(
-                "start {} is past the end of the stream: it has {samples} samples this epoch",
-                req.start
-            ),
+            stream::StreamError::PastEnd {
+                start: req.start,
+                samples,
+            }
+            .to_string(),
         ));
     }
-    let schedule_shards = plan
-        .shards()
-        .chain(next_epoch)
-        .map(|i| dataset.shards[i].clone())
-        .collect();
-    let schedule = daemon.streams.plans.open(
-        StreamId {
-            dataset: dataset.name.clone(),
-            seed: req.seed,
-            rank: req.rank,
-            world_size: req.world_size,
-            worker: req.worker,
-            num_workers: req.num_workers,
-        },
-        schedule_shards,
-    );
-    let span = tracing::info_span!(
-        "stream",
-        dataset = %req.dataset,
-        epoch = req.epoch,
-        rank = req.rank,
-        worker = req.worker,
-        shards = plan.pieces.len(),
-        peer_pid = peer.and_then(|p| p.pid()),
-        peer_uid = peer.map(|p| p.uid()),
-    );
     let start = Start {
         dataset: dataset.name.clone(),
         shards: plan.pieces.len(),
@@ -271,12 +277,55 @@ async fn serve(
         dropped: plan.dropped,
         fingerprint: fingerprint(dataset, config, &stream_req, plan.samples),
     };
-    protocol::write_json(wr, Kind::Start, &start)
-        .await
-        .map_err(|e| refuse("client_gone", e.to_string()))?;
+    Ok(Planned {
+        plan,
+        next_epoch,
+        start,
+    })
+}
 
-    let metrics = &daemon.streams.metrics;
-    let active = Active::new(&metrics.streams_active);
+fn stream_request(req: &Request) -> StreamRequest {
+    StreamRequest {
+        seed: req.seed,
+        epoch: req.epoch,
+        rank: req.rank,
+        world_size: req.world_size,
+        worker: req.worker,
+        num_workers: req.num_workers,
+    }
+}
+
+/// How a stream ended, for the metrics, the log and the client.
+enum Outcome {
+    /// Every sample and the END frame were sent.
+    Completed(End),
+    /// The client closed its socket (or broke the protocol by sending more).
+    ClientLeft,
+    /// The daemon is stopping. `torn`: a frame is cut off, so only closing is safe.
+    ShutDown {
+        torn: bool,
+    },
+    Failed {
+        error: StreamError,
+        torn: bool,
+    },
+}
+
+/// Serves an accepted stream until it completes, fails, its client leaves or the daemon
+/// stops.
+#[allow(clippy::too_many_arguments)]
+async fn run_stream(
+    rd: &mut tokio::net::unix::OwnedReadHalf,
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    daemon: &Arc<Daemon>,
+    shutdown: &CancellationToken,
+    peer: Option<tokio::net::unix::UCred>,
+    req: &Request,
+    planned: Planned,
+    span: &tracing::Span,
+) -> Outcome {
+    let dataset = &daemon.config.datasets[&req.dataset];
+    let _active = Active::new(&daemon.streams.metrics.streams_active);
     let registered = daemon.board.register(
         &dataset.name,
         req.epoch,
@@ -288,52 +337,62 @@ async fn serve(
     let mut sink = Sink::new();
     let job = stream::Job {
         dataset,
-        plan,
+        plan: planned.plan,
         start: req.start,
-        schedule,
+        id: StreamId {
+            dataset: dataset.name.clone(),
+            seed: req.seed,
+            rank: req.rank,
+            world_size: req.world_size,
+            worker: req.worker,
+            num_workers: req.num_workers,
+        },
+        next_epoch: planned.next_epoch,
         live: &registered.live,
         shutdown,
     };
-    let mut pump = Box::pin(
-        stream::pump(&daemon.streams, job, wr.as_ref(), &mut sink).instrument(span.clone()),
-    );
-    // `None`: the client left. `Some(None)`: shut down before the stream ended.
+    let pump = stream::pump(&daemon.streams, job, wr.as_ref(), &mut sink).instrument(span.clone());
+    let mut pump = Box::pin(pump);
     let ended = tokio::select! {
-        r = &mut pump => Some(Some(r)),
-        _ = client_gone(rd) => None,
+        r = &mut pump => r,
+        _ = client_gone(rd) => return Outcome::ClientLeft,
         // The stream stops at its next frame boundary (it watches the token too), so the
         // client can be told why; one that does not take its frame in time is closed.
-        _ = shutdown.cancelled() => Some(tokio::time::timeout(ERROR_WRITE_TIMEOUT, &mut pump)
+        _ = shutdown.cancelled() => tokio::time::timeout(ERROR_WRITE_TIMEOUT, &mut pump)
             .await
-            .ok()
-            .filter(|r| r.is_ok())),
+            .unwrap_or(Err(StreamError::Shutdown)),
     };
     drop(pump);
-    let result = match ended {
-        None => None,
-        Some(Some(r)) => Some(r),
-        Some(None) => {
-            metrics
-                .streams_total
-                .with_label_values(&[&dataset.name, "cancelled"])
-                .inc();
-            // A frame cut off mid-way cannot be followed by an ERROR frame: just close.
-            return match sink.torn() {
-                true => Ok(()),
-                false => Err(refuse("shutdown", "the daemon is shutting down")),
-            };
-        }
+    let torn = sink.torn();
+    match ended {
+        Ok(end) => Outcome::Completed(end),
+        Err(StreamError::Shutdown) => Outcome::ShutDown { torn },
+        Err(StreamError::Client(_)) => Outcome::ClientLeft,
+        Err(error) => Outcome::Failed { error, torn },
+    }
+}
+
+/// Counts and logs how a stream ended, and says what the client is still told.
+fn report(
+    metrics: &crate::metrics::Metrics,
+    dataset: &str,
+    span: &tracing::Span,
+    outcome: Outcome,
+) -> Result<(), Refusal> {
+    let label = match &outcome {
+        Outcome::Completed(_) => "completed",
+        Outcome::ClientLeft | Outcome::ShutDown { .. } => "cancelled",
+        Outcome::Failed { .. } => "failed",
     };
-    drop(active);
-    match result {
-        Some(Ok(end)) => {
-            metrics
-                .streams_total
-                .with_label_values(&[&dataset.name, "completed"])
-                .inc();
+    metrics
+        .streams_total
+        .with_label_values(&[dataset, label])
+        .inc();
+    match outcome {
+        Outcome::Completed(end) => {
             // The per-epoch summary an operator reads: this stream, and the cache so far.
             tracing::info!(
-                parent: &span,
+                parent: span,
                 samples = end.samples,
                 bytes = end.bytes,
                 cache_hits = metrics.cache_hits_total.get(),
@@ -344,53 +403,30 @@ async fn serve(
                 store_bytes = metrics.store_bytes_total.get(),
                 "stream completed"
             );
-            let _ = protocol::write_json(wr, Kind::End, &end).await;
             Ok(())
         }
-        None | Some(Err(StreamError::Client(_))) => {
-            metrics
-                .streams_total
-                .with_label_values(&[&dataset.name, "cancelled"])
-                .inc();
-            tracing::debug!(parent: &span, "client left mid-stream");
+        Outcome::ClientLeft => {
+            tracing::debug!(parent: span, "client left mid-stream");
             Ok(())
         }
-        Some(Err(StreamError::Stalled(after))) => {
-            metrics
-                .streams_total
-                .with_label_values(&[&dataset.name, "failed"])
-                .inc();
-            metrics.streams_stalled_total.inc();
-            tracing::warn!(parent: &span, ?after, "client stopped reading; stream ended, its shards released");
-            // A frame may be cut off mid-way: nothing more can be said on this socket.
-            Ok(())
-        }
-        // The stream saw the shutdown before this task did.
-        Some(Err(StreamError::Shutdown)) => {
-            metrics
-                .streams_total
-                .with_label_values(&[&dataset.name, "cancelled"])
-                .inc();
-            Err(refuse("shutdown", "the daemon is shutting down"))
-        }
-        Some(Err(e)) => {
-            metrics
-                .streams_total
-                .with_label_values(&[&dataset.name, "failed"])
-                .inc();
-            tracing::warn!(parent: &span, error = %e, "stream failed");
-            if sink.torn() {
-                // Mid-frame (the stream reports errors at frame boundaries, so this is a
-                // guard): an ERROR frame here would be read as the rest of a batch.
+        // A frame cut off mid-way cannot be followed by an ERROR frame: just close.
+        Outcome::ShutDown { torn: true } => Ok(()),
+        Outcome::ShutDown { torn: false } => Err(refuse("shutdown", "the daemon is shutting down")),
+        Outcome::Failed { error, torn } => {
+            tracing::warn!(parent: span, error = %error, "stream failed");
+            if torn {
+                // Errors are reported at frame boundaries, so this is a guard: an ERROR
+                // frame here would be read as the rest of a batch.
                 return Ok(());
             }
-            let code = match &e {
+            let code = match &error {
                 StreamError::Fetch(f) if matches!(f.root(), FetchError::CacheFull { .. }) => {
                     "cache_full"
                 }
+                StreamError::PastEnd { .. } => "bad_request",
                 _ => "stream_failed",
             };
-            Err(refuse(code, e.to_string()))
+            Err(refuse(code, error.to_string()))
         }
     }
 }
@@ -403,6 +439,7 @@ async fn plan_off_runtime(
     daemon: &Arc<Daemon>,
     dataset: &str,
     req: StreamRequest,
+    with_next: bool,
 ) -> Result<(plan::StreamPlan, Vec<usize>), plan::PlanError> {
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
@@ -412,6 +449,7 @@ async fn plan_off_runtime(
         let next = req
             .epoch
             .checked_add(1)
+            .filter(|_| with_next)
             .and_then(|epoch| {
                 let next = StreamRequest { epoch, ..req };
                 plan::plan_stream(d.shape(), config.host, &next).ok()
@@ -465,10 +503,14 @@ async fn handshake(
     }
     let req: Request = serde_json::from_slice(&body)
         .map_err(|e| refuse("bad_request", format!("invalid request: {e}")))?;
-    if req.op != "stream" {
+    if req.op != "stream" && req.op != "plan" {
         return Err(refuse(
             "bad_request",
-            format!("unknown op {:?}; protocol 1 has \"stream\"", req.op),
+            format!(
+                "unknown op {:?}; protocol {} has \"stream\" and \"plan\"",
+                req.op,
+                protocol::VERSION
+            ),
         ));
     }
     Ok(req)

@@ -16,6 +16,7 @@
 
 use std::io::{self, IoSlice};
 use std::os::fd::OwnedFd;
+use std::time::Duration;
 
 use rustix::pipe::{IoSliceRaw, PipeFlags, SpliceFlags};
 
@@ -32,8 +33,33 @@ const PIPE_SIZE: usize = 256 << 10;
 
 pub struct Sink {
     pipe: Option<Pipe>,
-    /// True while a frame is partly written: nothing else may be sent on the socket then.
-    torn: bool,
+    /// The frame being written, while it is partly written: nothing else may be sent on the
+    /// socket until it is finished (by the same parts, see [`Sink::send`]).
+    partial: Option<Partial>,
+}
+
+/// How far a frame got.
+#[derive(Debug, Clone, Copy)]
+struct Partial {
+    /// The frame's length in bytes.
+    len: usize,
+    /// Its bytes already handed to the kernel (the socket, or the pipe in front of it).
+    done: usize,
+}
+
+/// Why a frame was not written whole.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// The client took no byte for the stall time. The frame is partly written: the next
+    /// `send` must be given the same parts, and goes on where this one stopped.
+    #[error("the client took no data for {0:?}")]
+    Stalled(Duration),
+    /// A frame other than the one cut off was sent (a bug, or shard bytes that changed
+    /// under a parked stream): sending it would corrupt the stream.
+    #[error("{0}")]
+    Resent(String),
 }
 
 struct Pipe {
@@ -48,26 +74,54 @@ impl Sink {
         let pipe = Pipe::new()
             .inspect_err(|e| tracing::debug!(error = %e, "no pipe; sending with writev"))
             .ok();
-        Sink { pipe, torn: false }
+        Sink {
+            pipe,
+            partial: None,
+        }
     }
 
     /// Whether the last frame was cut off mid-way (the socket then carries a partial frame,
-    /// and only closing it is safe).
+    /// and only finishing it, or closing the socket, is safe).
     pub fn torn(&self) -> bool {
-        self.torn
+        self.partial.is_some()
     }
 
-    /// Writes one frame's parts, in order, to `sock`.
-    pub async fn send(&mut self, sock: &UnixStream, parts: &[Part]) -> io::Result<()> {
-        self.torn = true;
-        match &mut self.pipe {
-            // Through the pipe only when something gets spliced: otherwise it is one more
-            // syscall per frame for nothing (small samples).
-            Some(pipe) if parts.iter().any(spliced) => pipe.send(sock, parts).await?,
-            _ => writev_all(sock, parts).await?,
-        }
-        self.torn = false;
-        Ok(())
+    /// Writes one frame's parts, in order, to `sock`. Fails with [`SendError::Stalled`] when
+    /// the client takes no byte for `stall` (a slow reader that keeps taking bytes is never
+    /// cut); the frame is then partly written, and a later call with the same frame's parts
+    /// (re-encoded from the same samples: encoding is deterministic) sends only the rest.
+    pub async fn send(
+        &mut self,
+        sock: &UnixStream,
+        parts: &[Part],
+        stall: Duration,
+    ) -> Result<(), SendError> {
+        let len = parts.iter().map(|p| p.bytes().len()).sum();
+        let mut at = match self.partial {
+            Some(p) if p.len == len => p,
+            // A bug, not the client's doing: resending anything else would corrupt the stream.
+            Some(p) => {
+                return Err(SendError::Resent(format!(
+                    "a frame of {len} bytes sent where a frame of {} bytes was cut off",
+                    p.len
+                )));
+            }
+            None => Partial { len, done: 0 },
+        };
+        let result = match &mut self.pipe {
+            // Through the pipe only when something gets spliced (otherwise it is one more
+            // syscall per frame for nothing: small samples), or when the pipe still holds the
+            // start of this frame.
+            Some(pipe) if pipe.pending > 0 || parts.iter().any(spliced) => {
+                pipe.send(sock, parts, &mut at.done, stall).await
+            }
+            _ => writev_all(sock, parts, &mut at.done, stall).await,
+        };
+        self.partial = match result {
+            Ok(()) => None,
+            Err(_) => Some(at),
+        };
+        result
     }
 }
 
@@ -89,9 +143,18 @@ impl Pipe {
         })
     }
 
-    async fn send(&mut self, sock: &UnixStream, parts: &[Part]) -> io::Result<()> {
+    /// Sends `parts` from byte `done` on (counting bytes into the pipe as sent; what the pipe
+    /// holds from an earlier call goes first), moving `done` as it goes.
+    async fn send(
+        &mut self,
+        sock: &UnixStream,
+        parts: &[Part],
+        done: &mut usize,
+        stall: Duration,
+    ) -> Result<(), SendError> {
         let (mut index, mut offset) = (0usize, 0usize);
-        while index < parts.len() {
+        advance(parts, &mut index, &mut offset, *done);
+        loop {
             // Fill the pipe until it is full or the frame is in it...
             while index < parts.len() {
                 let n = if spliced(&parts[index]) {
@@ -102,24 +165,26 @@ impl Pipe {
                 match n {
                     Ok(n) => {
                         self.pending += n;
+                        *done += n;
                         advance(parts, &mut index, &mut offset, n);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(e.into()),
                 }
             }
             // ...then move it into the socket, waiting while the socket is full.
             while self.pending > 0 {
-                let n = sock
-                    .async_io(Interest::WRITABLE, || self.splice_into(sock))
-                    .await?;
+                let splice = sock.async_io(Interest::WRITABLE, || self.splice_into(sock));
+                let n = until_stalled(sock, stall, splice).await??;
                 if n == 0 {
-                    return Err(io::ErrorKind::WriteZero.into());
+                    return Err(io::Error::from(io::ErrorKind::WriteZero).into());
                 }
                 self.pending -= n;
             }
+            if index == parts.len() {
+                return Ok(());
+            }
         }
-        Ok(())
     }
 
     /// Copies the run of parts that are not to be spliced (starting at `offset` in the first)
@@ -164,6 +229,43 @@ impl Pipe {
     }
 }
 
+/// Runs `wait` (a wait for room in `sock`) until it completes, or fails with `Stalled` once
+/// the client has taken no byte for `stall`.
+///
+/// The client's progress is read from the socket's queue, not from our wake-ups: a Unix
+/// socket is reported writable only once three quarters of its send buffer are drained
+/// (megabytes with a large buffer), which a slow but steady reader may take longer than
+/// `stall` to do.
+async fn until_stalled<T>(
+    sock: &UnixStream,
+    stall: Duration,
+    wait: impl Future<Output = T>,
+) -> Result<T, SendError> {
+    let mut wait = std::pin::pin!(wait);
+    let mut queued = unread(sock);
+    loop {
+        if let Ok(done) = tokio::time::timeout(stall, &mut wait).await {
+            return Ok(done);
+        }
+        let now = unread(sock);
+        if now >= queued {
+            return Err(SendError::Stalled(stall));
+        }
+        queued = now;
+    }
+}
+
+/// Bytes written to `sock` that its reader has not taken yet (`SIOCOUTQ`); `usize::MAX` when
+/// the kernel does not say, so that a failed query never passes for progress.
+fn unread(sock: &UnixStream) -> usize {
+    /// `SIOCOUTQ` (= `TIOCOUTQ`) on Linux: for a Unix stream socket, the bytes in its queue.
+    const SIOCOUTQ: rustix::ioctl::Opcode = 0x5411;
+    // SAFETY: SIOCOUTQ writes one C int, the type the getter provides room for.
+    let queued =
+        unsafe { rustix::ioctl::ioctl(sock, rustix::ioctl::Getter::<SIOCOUTQ, i32>::new()) };
+    queued.map_or(usize::MAX, |n| n.max(0) as usize)
+}
+
 /// Whether a part goes to the socket by reference. Decided on the whole part, so a part
 /// started by vmsplice is finished by vmsplice.
 fn spliced(part: &Part) -> bool {
@@ -188,17 +290,26 @@ fn advance(parts: &[Part], index: &mut usize, offset: &mut usize, mut n: usize) 
     }
 }
 
-/// The fallback: vectored writes straight to the socket.
-async fn writev_all(sock: &UnixStream, parts: &[Part]) -> io::Result<()> {
+/// The fallback: vectored writes straight to the socket, from byte `done` of the frame on.
+async fn writev_all(
+    sock: &UnixStream,
+    parts: &[Part],
+    done: &mut usize,
+    stall: Duration,
+) -> Result<(), SendError> {
     let mut slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p.bytes())).collect();
     let mut rest = &mut slices[..];
+    IoSlice::advance_slices(&mut rest, *done);
     while !rest.is_empty() {
-        sock.writable().await?;
+        until_stalled(sock, stall, sock.writable()).await??;
         match sock.try_write_vectored(rest) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero).into()),
+            Ok(n) => {
+                IoSlice::advance_slices(&mut rest, n);
+                *done += n;
+            }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(())
@@ -210,6 +321,8 @@ mod tests {
     use crate::cache::ShardBytes;
     use bytes::Bytes;
     use tokio::io::AsyncReadExt;
+
+    const LONG: Duration = Duration::from_secs(60);
 
     /// A file-backed mapping, as the cache produces (vmsplice must only see such memory).
     fn mapped(data: &[u8]) -> ShardBytes {
@@ -255,7 +368,7 @@ mod tests {
             got
         });
         for parts in &frames {
-            sink.send(&a, parts).await.unwrap();
+            sink.send(&a, parts, LONG).await.unwrap();
             assert!(!sink.torn());
         }
         drop(a);
@@ -275,8 +388,50 @@ mod tests {
     async fn writev_fallback_delivers_every_byte_in_order() {
         roundtrip(Sink {
             pipe: None,
-            torn: false,
+            partial: None,
         })
         .await;
+    }
+
+    /// A frame the client stops taking fails with `Stalled`, partly written; sent again (the
+    /// same parts) once the client reads, only its rest goes out: the client gets every byte
+    /// once. Another frame in its place is refused. Both send paths.
+    #[tokio::test]
+    async fn a_stalled_frame_is_finished_by_sending_it_again() {
+        for piped in [true, false] {
+            let mut sink = Sink::new();
+            if !piped {
+                sink.pipe = None;
+            }
+            let (a, mut b) = UnixStream::pair().unwrap();
+            let data: Vec<u8> = (0..8 << 20).map(|i: u32| (i % 251) as u8).collect();
+            let map = mapped(&data);
+            let parts = [
+                Part::Inline(Bytes::from_static(b"head")),
+                Part::Shard(map.slice(0..data.len())),
+            ];
+            let short = Duration::from_millis(50);
+            let err = sink.send(&a, &parts, short).await.unwrap_err();
+            assert!(matches!(err, SendError::Stalled(d) if d == short), "{err}");
+            assert!(sink.torn());
+            let other = [Part::Inline(Bytes::from_static(b"another frame"))];
+            let err = sink.send(&a, &other, LONG).await.unwrap_err();
+            assert!(err.to_string().contains("was cut off"), "{err}");
+            assert!(sink.torn());
+            let reader = tokio::spawn(async move {
+                let mut got = Vec::new();
+                b.read_to_end(&mut got).await.unwrap();
+                got
+            });
+            sink.send(&a, &parts, LONG).await.unwrap();
+            assert!(!sink.torn());
+            drop(a);
+            let got = reader.await.unwrap();
+            assert_eq!(got.len(), 4 + data.len(), "piped {piped}");
+            assert!(
+                got[..4] == *b"head" && got[4..] == data[..],
+                "piped {piped}"
+            );
+        }
     }
 }

@@ -47,6 +47,9 @@ pub enum Waiting {
     Data = 1,
     /// The client to take what is ready: the trainer is the bottleneck.
     Client = 2,
+    /// The client took nothing for `server.stall_timeout`: the stream let go of its shards
+    /// and waits for the client to read again (a paused trainer).
+    Parked = 3,
 }
 
 impl Live {
@@ -184,6 +187,7 @@ impl Board {
                         waiting_on: match s.waiting.load(Ordering::Relaxed) {
                             1 => "data",
                             2 => "client",
+                            3 => "parked",
                             _ => "nothing",
                         }
                         .into(),

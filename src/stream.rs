@@ -5,26 +5,34 @@
 //! prefetcher runs ahead of every stream, fed by the [`ScheduleHandle`] this stream moves as
 //! it goes. Backpressure is end to end: the stream writes only as fast as its client reads,
 //! and holds (pins) only the shards of its current shuffle window and the one being parsed
-//! next. A client that accepts nothing for `server.stall_timeout` ends the stream, which
-//! releases its pins.
+//! next.
+//!
+//! **Parking.** A client that takes no byte for `server.stall_timeout` (an evaluation pass, a
+//! checkpoint upload, a first XLA compile) is not cut off: its stream *parks*. It drops every
+//! shard it holds and keeps only its position (samples in whole frames sent, and how much of
+//! the frame in flight went out), a few words beside the connection. When the client reads
+//! again, the stream is set up again at that position exactly as a `start=` resume is (the
+//! order is a pure function of the plan), re-encodes the frame that was cut and sends only
+//! its rest. A slow reader that keeps taking bytes is never parked.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::cache::{Cache, FetchError};
 use crate::config::Dataset;
-use crate::metrics::Metrics;
+use crate::metrics::{Active, Metrics};
 use crate::plan::{Piece, StreamPlan};
-use crate::prefetch::{Plans, ScheduleHandle};
-use crate::protocol::{self, End};
+use crate::prefetch::{Plans, ScheduleHandle, StreamId};
+use crate::protocol::{self, End, Kind, Part};
 use crate::shard::{self, Sample, ShardError};
 use crate::shuffle::WindowShuffle;
-use crate::sink::Sink;
+use crate::sink::{SendError, Sink};
 use crate::status::{Live, Waiting};
 
 #[derive(Debug, thiserror::Error)]
@@ -41,8 +49,6 @@ pub enum StreamError {
     /// Writing to the client failed: it is gone, there is nobody to tell.
     #[error("client connection lost: {0}")]
     Client(std::io::Error),
-    #[error("the client accepted no data for server.stall_timeout ({0:?})")]
-    Stalled(Duration),
     /// The daemon is shutting down (the stream stopped at a frame boundary).
     #[error("the daemon is shutting down")]
     Shutdown,
@@ -50,6 +56,10 @@ pub enum StreamError {
     /// at start; this is a manifest made from other bytes).
     #[error("{0}")]
     Manifest(String),
+    /// A resume without a manifest asked for a position the stream never reaches (found only
+    /// once the whole stream is read: without counts its length is not known before).
+    #[error("start {start} is past the end of the stream: it has {samples} samples this epoch")]
+    PastEnd { start: u64, samples: u64 },
 }
 
 /// One stream to serve.
@@ -58,8 +68,10 @@ pub struct Job<'a> {
     pub plan: StreamPlan,
     /// Stream position to start from (samples an earlier connection delivered).
     pub start: u64,
-    /// The stream's registration with the prefetcher.
-    pub schedule: ScheduleHandle,
+    /// Who the stream is, for the prefetcher's schedules.
+    pub id: StreamId,
+    /// The shards the same stream reads next epoch (dataset indices), for the prefetcher.
+    pub next_epoch: Vec<usize>,
     /// Its entry on the status board.
     pub live: &'a Live,
     /// Stops the stream at its next frame boundary.
@@ -75,40 +87,68 @@ pub struct StreamContext {
 }
 
 /// Serves one stream to `sock` through `sink`, from stream position `job.start` (samples
-/// already delivered by an earlier connection); returns the END summary once every sample is
-/// written, or stops at a frame boundary when `job.shutdown` is cancelled.
+/// already delivered by an earlier connection), and ends it with the END frame; returns the
+/// END summary, or stops at a frame boundary when `job.shutdown` is cancelled.
 ///
-/// A resume reads from the start of the shuffle window that holds `start`: with a manifest
-/// the pieces before it are cut off without reading them; without one, the shards before it
-/// are read and their samples dropped (their counts are not known otherwise).
+/// A paused client parks the stream (module docs), as often as it pauses; the END frame
+/// waits for the client the same way (holding nothing), for as long as it stays connected.
 pub async fn pump(
     ctx: &StreamContext,
     job: Job<'_>,
     sock: &UnixStream,
     sink: &mut Sink,
 ) -> Result<End, StreamError> {
-    let Job {
-        dataset,
-        plan,
-        start,
-        schedule,
-        live,
-        shutdown,
-    } = job;
-    let (pieces, mut order) = resume(plan, dataset.shuffle_buffer, start);
-    let mut reader = ShardReader {
-        cache: &ctx.cache,
-        dataset,
-        queue: pieces.into(),
-        current: None,
-        next: None,
-        schedule,
-    };
     let mut end = End {
         samples: 0,
         bytes: 0,
     };
     let opened = Instant::now();
+    while let Leg::Parked = serve_from(ctx, &job, opened, sock, sink, &mut end).await? {
+        park(ctx, &job, sock).await?;
+    }
+    let frame = [Part::Inline(Bytes::from(protocol::json_frame(
+        Kind::End,
+        &end,
+    )))];
+    loop {
+        match sink.send(sock, &frame, ctx.stall_timeout).await {
+            Ok(()) => return Ok(end),
+            Err(SendError::Stalled(_)) => park(ctx, &job, sock).await?,
+            Err(e) => return Err(send_failed(e)),
+        }
+    }
+}
+
+/// How a stretch of serving ended.
+enum Leg {
+    /// Every sample is sent.
+    Done,
+    /// The client took nothing for the stall time; the frame in flight may be cut.
+    Parked,
+}
+
+/// Serves the stream from where it is (`job.start` + the samples of whole frames sent, in
+/// `end`) until it is complete or its client pauses. Everything it holds (shards, samples,
+/// the schedule) is dropped when it returns.
+async fn serve_from(
+    ctx: &StreamContext,
+    job: &Job<'_>,
+    opened: Instant,
+    sock: &UnixStream,
+    sink: &mut Sink,
+    end: &mut End,
+) -> Result<Leg, StreamError> {
+    let dataset = job.dataset;
+    let position = job.start + end.samples;
+    let (pieces, mut order) = resume(job.plan.clone(), dataset.shuffle_buffer, position);
+    let mut reader = ShardReader {
+        cache: &ctx.cache,
+        dataset,
+        schedule: open_schedule(ctx, job, &pieces),
+        queue: pieces.into(),
+        current: None,
+        next: None,
+    };
     let name = [dataset.name.as_str()];
     let starving = ctx
         .metrics
@@ -120,29 +160,31 @@ pub async fn pump(
         .with_label_values(&name);
     let samples_sent = ctx.metrics.samples_sent_total.with_label_values(&name);
     let bytes_sent = ctx.metrics.bytes_sent_total.with_label_values(&name);
+    let live = job.live;
     loop {
         while order.wants_more() {
             let waited = Instant::now();
             live.waiting(Waiting::Data);
             let next = tokio::select! {
                 next = reader.next() => next,
-                _ = shutdown.cancelled() => return Err(StreamError::Shutdown),
+                _ = job.shutdown.cancelled() => return Err(StreamError::Shutdown),
             };
             live.waiting(Waiting::Nothing);
             starving.inc_by(waited.elapsed().as_secs_f64());
             order.push(next?);
         }
         let Some(mut window) = order.next_window() else {
-            return Ok(end);
+            order.check_reached(job.start)?;
+            return Ok(Leg::Done);
         };
         while !window.is_empty() {
-            if shutdown.is_cancelled() {
+            if job.shutdown.is_cancelled() {
                 return Err(StreamError::Shutdown);
             }
             let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
             let sending = Instant::now();
             live.waiting(Waiting::Client);
-            let send = tokio::time::timeout(ctx.stall_timeout, sink.send(sock, &parts));
+            let send = sink.send(sock, &parts, ctx.stall_timeout);
             let mut send = std::pin::pin!(send);
             // While the client takes this batch, load the next window's shards, so that a
             // window boundary costs no wait (only the reading is cancelled if the send ends
@@ -168,9 +210,12 @@ pub async fn pump(
             // Time in the send is time the client had data waiting (the socket was full).
             live.waiting(Waiting::Nothing);
             waiting_on_client.inc_by(sending.elapsed().as_secs_f64());
-            sent_result
-                .map_err(|_| StreamError::Stalled(ctx.stall_timeout))?
-                .map_err(StreamError::Client)?;
+            match sent_result {
+                Ok(()) => {}
+                // A load that failed meanwhile fails again after the resume, if it still does.
+                Err(SendError::Stalled(_)) => return Ok(Leg::Parked),
+                Err(e) => return Err(send_failed(e)),
+            }
             if end.samples == 0 {
                 ctx.metrics
                     .first_sample_seconds
@@ -190,6 +235,48 @@ pub async fn pump(
     }
 }
 
+fn send_failed(e: SendError) -> StreamError {
+    match e {
+        SendError::Io(e) => StreamError::Client(e),
+        SendError::Stalled(_) => unreachable!("a stall parks the stream"),
+        SendError::Resent(what) => StreamError::Internal(what),
+    }
+}
+
+/// Registers the shards the stream is about to read (then its next epoch's) with the
+/// prefetcher. A resumed stream registers only what it still reads, so prefetch and
+/// eviction do not count on shards it has passed.
+fn open_schedule(ctx: &StreamContext, job: &Job<'_>, pieces: &[Piece]) -> ScheduleHandle {
+    let shards = &job.dataset.shards;
+    let upcoming = pieces
+        .iter()
+        .map(|p| p.shard)
+        .chain(job.next_epoch.iter().copied());
+    ctx.plans.open(
+        job.id.clone(),
+        upcoming.map(|i| shards[i].clone()).collect(),
+    )
+}
+
+/// Waits, holding nothing, until the client can take data again (or the daemon stops).
+async fn park(ctx: &StreamContext, job: &Job<'_>, sock: &UnixStream) -> Result<(), StreamError> {
+    ctx.metrics.stream_parks_total.inc();
+    let _parked = Active::new(&ctx.metrics.streams_parked);
+    job.live.waiting(Waiting::Parked);
+    let since = Instant::now();
+    tracing::info!(
+        stall_timeout = ?ctx.stall_timeout,
+        "the client took no data for server.stall_timeout: stream parked, its shards released"
+    );
+    tokio::select! {
+        ready = sock.writable() => ready.map_err(StreamError::Client)?,
+        _ = job.shutdown.cancelled() => return Err(StreamError::Shutdown),
+    }
+    job.live.waiting(Waiting::Nothing);
+    tracing::info!(parked = ?since.elapsed(), "the client reads again: stream resumed");
+    Ok(())
+}
+
 /// Sets a stream up to start at `start`: the pieces to read from the start of the shuffle
 /// window that holds it (with sample counts, the pieces before it are cut off unread;
 /// without, they are read and their samples dropped), and the sample order that skips what
@@ -207,6 +294,7 @@ fn resume(plan: StreamPlan, window: usize, start: u64) -> (Vec<Piece>, SampleOrd
         done: false,
         discard,
         skip: (start - window_start) as usize,
+        counted: window_start - discard,
     };
     (pieces, order)
 }
@@ -222,6 +310,9 @@ struct SampleOrder {
     discard: u64,
     /// Samples to drop from the front of the first window (a resume inside it).
     skip: usize,
+    /// Samples of the stream before the ones the reader brings (cut off unread), plus the
+    /// ones it brought: the stream's length once the reader is done.
+    counted: u64,
 }
 
 impl SampleOrder {
@@ -234,11 +325,24 @@ impl SampleOrder {
     fn push(&mut self, shard: Option<Vec<Sample>>) {
         match shard {
             Some(samples) => {
+                self.counted += samples.len() as u64;
                 let drop = (self.discard.min(samples.len() as u64)) as usize;
                 self.discard -= drop as u64;
                 self.loaded.extend(samples.into_iter().skip(drop));
             }
             None => self.done = true,
+        }
+    }
+
+    /// At the end of the stream: whether it reached `start`. Without a manifest, a `start`
+    /// past the end is found only here.
+    fn check_reached(&self, start: u64) -> Result<(), StreamError> {
+        match start > self.counted {
+            true => Err(StreamError::PastEnd {
+                start,
+                samples: self.counted,
+            }),
+            false => Ok(()),
         }
     }
 

@@ -12,7 +12,7 @@ import pytest
 import shardd
 import shardd.client
 
-from conftest import BUCKET, SHARDD, TRAIN_SHARDS, gcs_config, reference_samples
+from conftest import BUCKET, SHARDD, TRAIN_SHARDS, gcs_config, raw_exchange, reference_samples
 
 TRAIN = f"gs://{BUCKET}/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"
 
@@ -146,14 +146,56 @@ def test_samples_per_epoch_is_exact(make_daemon, fake_gcs, manifest):
     assert sum(seen.values()) == 1000
 
 
-def test_start_past_the_end_is_refused(make_daemon, fake_gcs, manifest):
+@pytest.mark.parametrize("with_manifest", [True, False], ids=["manifest", "shards"])
+def test_start_past_the_end_is_refused(make_daemon, fake_gcs, manifest, with_manifest):
+    """With a manifest the request is refused at once; without one the stream's length is
+    known only once it is read, so the refusal comes in place of the END. A start at the end
+    is an empty rest, not an error."""
+    dataset = "exact" if with_manifest else "train"
     d = make_daemon(exact_config(fake_gcs, manifest))
+    kw = dict(epoch=0, rank=0, world_size=1)
     with shardd.Client(d.socket) as c:
-        n = c.stream("exact", epoch=0, rank=0, world_size=1).samples
+        n = len(list(c.stream(dataset, **kw)))
+        at_end = c.stream(dataset, start=n, **kw)
+        assert list(at_end) == [] and at_end.end == {"samples": 0, "bytes": 0}
         with pytest.raises(shardd.DaemonError) as e:
-            c.stream("exact", epoch=0, rank=0, world_size=1, start=n + 1)
+            list(c.stream(dataset, start=n + 1, **kw))
     assert e.value.code == "bad_request"
     assert str(e.value) == f"start {n + 1} is past the end of the stream: it has {n} samples this epoch"
+
+
+def plan_exchange(d, **fields):
+    """A raw ``plan`` request (protocol 3): the daemon's preamble, START, END; JSON of both."""
+    body = json.dumps({"op": "plan", "dataset": "exact", "epoch": 0, "rank": 0, "world_size": 1,
+                       **fields}).encode()
+    reply = raw_exchange(d.socket, b"SHARDD\x03\x00" + struct.pack("<IB", len(body), 1) + body)
+    assert reply[:8] == b"SHARDD\x03\x00"
+    frames, at = [], 8
+    while at < len(reply):
+        length, kind = struct.unpack_from("<IB", reply, at)
+        frames.append((kind, json.loads(reply[at + 5 : at + 5 + length])))
+        at += 5 + length
+    assert [k for k, _ in frames] == [2, 4], frames  # START, END
+    assert frames[1][1] == {"samples": 0, "bytes": 0}
+    return frames[0][1]
+
+
+def test_a_plan_request_answers_the_start_and_loads_nothing(make_daemon, fake_gcs, manifest):
+    """op "plan" gets the START a stream would get (length, drops, fingerprint) and an empty
+    END; it opens no stream and fetches nothing."""
+    d = make_daemon(exact_config(fake_gcs, manifest))
+    kw = dict(epoch=3, rank=0, world_size=1, worker=1, num_workers=2, seed=4)
+    planned = plan_exchange(d, **kw)
+    assert d.metric("shardd_shard_fetches_total") == 0
+    assert d.metric('shardd_streams_total{dataset="exact",outcome="completed"}') == 0
+    with shardd.Client(d.socket) as c:
+        stream = c.stream("exact", **kw)
+        keys = [s["__key__"] for s in stream]
+    assert planned["samples"] == stream.samples == len(keys)
+    assert planned["fingerprint"] == stream.fingerprint
+    assert planned == {"dataset": "exact", "shards": stream.shards, "host": 0, "hosts": 1,
+                       "samples": len(keys), "position": 0, "dropped": stream.dropped,
+                       "fingerprint": stream.fingerprint}
 
 
 def test_a_stale_manifest_stops_the_daemon_naming_the_shard(fake_gcs, manifest, tmp_path):

@@ -13,7 +13,7 @@ import shardd
 
 from conftest import BIG_SAMPLE, BUCKET, error_frame, gcs_config, raw_exchange, reference_samples, wait_for
 
-PREAMBLE = b"SHARDD\x02\x00"  # what a protocol-2 client sends, and what the daemon answers
+PREAMBLE = b"SHARDD\x02\x00"  # what a protocol-2 client sends (the daemon still serves it)
 
 
 class GoodStream:
@@ -178,14 +178,15 @@ def rss_anon(pid):
         return int(re.search(r"RssAnon:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def test_streams_that_never_read_are_bounded_then_cut_off(make_daemon, fake_gcs, train_paths):
+def test_streams_that_never_read_are_bounded_then_parked(make_daemon, fake_gcs, train_paths):
     """Clients that ask for a stream of 8 MB samples and never read a byte: each stream blocks
     once its socket buffer is full, pinning only the shards it is sending (shared by all of
-    them) and little memory of its own; after server.stall_timeout every one is ended and its
-    pins released. The well-behaved stream (smaller than a socket buffer, so it is never the
-    one waiting) completes byte for byte."""
+    them) and little memory of its own; after server.stall_timeout every one is parked: it
+    holds no shard and a few KB, and keeps its connection (max_connections bounds how many).
+    The well-behaved stream (smaller than a socket buffer, so it is never the one waiting)
+    completes byte for byte."""
     first, more = 4, 60
-    d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "3s"\nmax_connections = 128')
+    d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "2s"\nmax_connections = 200')
     good = GoodStream(d, train_paths)
     silent = []
 
@@ -195,26 +196,40 @@ def test_streams_that_never_read_are_bounded_then_cut_off(make_daemon, fake_gcs,
             s.connect(str(d.socket))
             s.sendall(PREAMBLE + request(dataset="big"))
             silent.append(s)
-        wait_for(lambda: blocked() == len(silent), "every silent stream to block on its client")
+        wait_for(lambda: waiting("client", "parked") == len(silent),
+                 "every silent stream to block on its client (or park)")
 
-    def blocked():
+    def waiting(*on):
         streams = d.status()["streams"]
-        return sum(s["waiting_on"] == "client" and s["dataset"] == "big" for s in streams)
+        return sum(s["waiting_on"] in on and s["dataset"] == "big" for s in streams)
 
     # The first few load the shards and the download buffers; the rest cost only themselves.
     open_silent(first)
     before = rss_anon(d.proc.pid)
     open_silent(more)
-    per_stream = (rss_anon(d.proc.pid) - before) / more
+    blocked = (rss_anon(d.proc.pid) - before) / more
     # All of them send the same plan: at most three 8 MB shards pinned, mapped from the cache.
     assert d.metric("shardd_cache_pinned_bytes") <= 3 * (BIG_SAMPLE + (64 << 10))
-    good.finish()
-    wait_for(lambda: d.metric("shardd_streams_stalled_total") == first + more, "the stall timeout")
+    wait_for(lambda: d.metric("shardd_streams_parked") == first + more, "the streams to park")
     assert d.metric("shardd_cache_pinned_bytes") == 0
-    wait_for(lambda: d.metric("shardd_connections_active") == 0, "the connections to close")
+    assert waiting("parked") == first + more
+    # What a parked stream costs: a second wave, opened (and blocked) while the first is
+    # parked, then parked too. The heap the first wave freed when it parked is reused by the
+    # second wave's blocked phase, so the growth is what parked streams keep.
+    settled = rss_anon(d.proc.pid)
+    open_silent(more)
+    wait_for(lambda: d.metric("shardd_streams_parked") == first + 2 * more, "the second wave to park")
+    parked = (rss_anon(d.proc.pid) - settled) / more
+    assert d.metric("shardd_cache_pinned_bytes") == 0
+    assert d.metric("shardd_connections_active") == first + 2 * more  # the good one is done
+    good.finish()
     for s in silent:
         s.close()
-    assert per_stream < 256 << 10, f"a blocked stream holds {per_stream:.0f} bytes of heap"
+    wait_for(lambda: d.metric("shardd_connections_active") == 0, "the connections to close")
+    assert d.metric("shardd_streams_parked") == 0
+    assert blocked < 256 << 10, f"a blocked stream holds {blocked:.0f} bytes of heap"
+    assert parked < 16 << 10, f"a parked stream holds {parked:.0f} bytes of heap"
+    print(f"heap per stream: blocked {blocked / 1024:.1f} KiB, parked {parked / 1024:.1f} KiB")
 
 
 def test_a_stream_inherited_across_fork_is_refused_in_the_child(make_daemon, fake_gcs, train_paths):

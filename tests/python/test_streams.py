@@ -3,6 +3,7 @@ stream read through the real Python client, compared with what webdataset reads.
 
 import collections
 import subprocess
+import time
 
 import pytest
 import shardd
@@ -140,11 +141,48 @@ def test_cat_prints_key_and_field_sizes(two_hosts, train_paths):
     assert "5 samples" in out.stderr
 
 
-def test_a_reader_that_stops_holds_three_shards_then_is_cut_off(make_daemon, fake_gcs, shard_dir):
+class Trickle:
+    """A client socket that takes at most ``chunk`` bytes per receive, one receive per
+    ``pause`` seconds: a slow reader that never stops taking bytes."""
+
+    def __init__(self, sock, chunk, pause):
+        self.sock, self.chunk, self.pause = sock, chunk, pause
+
+    def recv_into(self, buf, nbytes=0, flags=0):
+        time.sleep(self.pause)  # the reader's pace under test
+        return self.sock.recv_into(memoryview(buf)[: self.chunk])
+
+    def recv(self, n, flags=0):
+        time.sleep(self.pause)
+        return self.sock.recv(min(n, self.chunk))
+
+    def close(self):
+        self.sock.close()
+
+
+def test_a_slow_steady_reader_is_never_parked(make_daemon, fake_gcs, shard_dir):
+    """A reader that takes each 8 MB batch in longer than server.stall_timeout, but keeps
+    taking bytes, is served without a park and gets the uninterrupted stream."""
+    d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "1s"')
+    want = read_stream(d.socket, dataset="big", epoch=0, rank=0, world_size=1)
+    with shardd.Client(d.socket) as c:
+        stream = c.stream("big", epoch=0, rank=0, world_size=1)
+        fast = stream._sock
+        # 64 KiB per 10 ms (~6 MB/s): an 8 MB batch takes ~1.3 s, more than the stall timeout.
+        stream._sock = Trickle(fast, 64 << 10, 0.01)
+        slow = [next(stream), next(stream)]
+        stream._sock = fast
+        got = slow + list(stream)
+    assert [(s["__key__"], s["bin"]) for s in got] == [(s["__key__"], s["bin"]) for s in want]
+    assert d.metric("shardd_stream_parks_total") == 0
+
+
+def test_a_reader_that_pauses_holds_three_shards_then_none_and_goes_on(make_daemon, fake_gcs, shard_dir):
     """A stream whose client stops reading pins only the shard it is sending, the next
     window's (one shard here) and the one loading after it; the prefetcher loads
-    prefetch_shards more and stops; after server.stall_timeout the stream ends and its pins
-    are released."""
+    prefetch_shards more and stops. After server.stall_timeout without a byte taken the
+    stream parks: it holds no shard. Paused for several stall timeouts, then read again, the
+    same stream goes on where it was: the samples of an uninterrupted read, in its order."""
     d = make_daemon(
         gcs_config(fake_gcs), server='stall_timeout = "2s"', cache="prefetch_shards = 2",
     )
@@ -163,13 +201,19 @@ def test_a_reader_that_stops_holds_three_shards_then_is_cut_off(make_daemon, fak
         )
         assert d.metric("shardd_shard_fetches_total") == 5
         assert d.metric("shardd_cache_resident_bytes") == 5 * charge
-        wait_for(lambda: d.metric("shardd_streams_stalled_total") == 1, "the stall timeout")
+        wait_for(lambda: d.metric("shardd_streams_parked") == 1, "the stream to park")
         assert d.metric("shardd_cache_pinned_bytes") == 0
-        with pytest.raises(shardd.ProtocolError):
-            list(stream)
-    # The next reader is served from the cache: only the last shard is fetched.
+        assert [s["waiting_on"] for s in d.status()["streams"]] == ["parked"]
+        time.sleep(4)  # the pause under test (two more stall timeouts), not a synchronisation
+        assert d.metric("shardd_streams_parked") == 1
+        assert d.metric("shardd_cache_pinned_bytes") == 0
+        rest = list(stream)
+        assert stream.end == {"samples": BIG_SHARDS, "bytes": stream.end["bytes"]}
+    assert d.metric("shardd_streams_parked") == 0
+    assert d.metric("shardd_stream_parks_total") == 1
+    # The same stream read without a pause: the same samples in the same order, byte for byte.
     samples = read_stream(d.socket, dataset="big", epoch=0, rank=0, world_size=1)
-    assert first["__key__"] == samples[0]["__key__"]
+    assert [(s["__key__"], s["bin"]) for s in [first] + rest] == [(s["__key__"], s["bin"]) for s in samples]
     assert sorted((s["__key__"], s["bin"]) for s in samples) == [
         (f"big{i}", big_payload(i)) for i in range(BIG_SHARDS)
     ]
