@@ -1,4 +1,4 @@
-"""The client side of proto/PROTOCOL.md (version 2).
+"""The client side of proto/PROTOCOL.md (version 3).
 
 Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
 (keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
@@ -25,7 +25,7 @@ import time
 import weakref
 
 MAGIC = b"SHARDD"
-VERSION = 2
+VERSION = 3
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 
 KIND_REQUEST = 1

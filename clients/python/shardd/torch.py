@@ -300,12 +300,11 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     def _probe(self, num_workers=1):
         """The START of the stream of (this rank, worker 0 of ``num_workers``) for the current
-        epoch, as a dict (its ``samples`` and ``fingerprint``), without opening the stream."""
-        s = _ask(self._client(), "stream", self.dataset, epoch=self.epoch, rank=self.rank,
-                 world_size=self.world_size, seed=self.seed, worker=0,
-                 num_workers=max(1, int(num_workers)))
-        s.close()
-        return s.start_fields
+        epoch, as a dict (its ``samples`` and ``fingerprint``): a plan request, so the daemon
+        registers no schedule for it (a probe stream's would linger and skew its prefetching)."""
+        return _ask(self._client(), "plan", self.dataset, epoch=self.epoch, rank=self.rank,
+                    world_size=self.world_size, seed=self.seed, worker=0,
+                    num_workers=max(1, int(num_workers)))
 
     def verify_plan(self):
         """Checks, with one ``all_gather_object``, that every rank of the job gets the same
