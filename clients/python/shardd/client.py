@@ -161,13 +161,13 @@ class Client:
 
     ``timeout``: a socket timeout in seconds (None blocks; a timeout turns off the direct
     receive of large fields). ``reconnect_timeout``: how long a stream keeps trying to reach a
-    daemon that went away, in seconds (default 300; 0 turns reconnecting off); see
-    ``Stream``."""
+    daemon that went away, in seconds (default 300; 0 turns reconnecting off; ``float("inf")``
+    never gives up); see ``Stream``."""
 
     def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT):
         self.socket_path = str(socket_path)
         self.timeout = timeout
-        self.reconnect_timeout = float(reconnect_timeout or 0)
+        self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
         # Weak: a stream the caller dropped (``break`` out of the loop) is collected and its
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
