@@ -226,9 +226,10 @@ def _request(op, dataset, epoch, rank, world_size, seed, worker, num_workers):
 
 
 class Stream:
-    """One stream: iterate it for samples. ``shards`` is how many shards it reads; after the
-    last sample, ``end`` holds the daemon's summary of the last connection (``samples``,
-    ``bytes``: what that connection sent).
+    """One stream: iterate it for samples. ``shards`` is how many shards it reads (``samples``,
+    ``dropped``, ``fingerprint``: see PROTOCOL.md; ``start_fields``: the whole START, as a
+    dict); after the last sample, ``end`` holds the daemon's summary of the last connection
+    (``samples``, ``bytes``: what that connection sent).
 
     A daemon that goes away is waited for (``reconnect_timeout`` seconds; 0: not at all): the
     connection is cut, the daemon says ``shutdown`` or ``busy``, or nothing listens at the
