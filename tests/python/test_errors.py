@@ -1,5 +1,6 @@
 """Bad input gets a clear error, and the daemon keeps serving everyone else."""
 
+import json
 import struct
 import subprocess
 
@@ -181,12 +182,15 @@ def test_abandoned_streams_free_their_slots(daemon):
 
 
 def test_killed_daemon_is_an_error_then_restart_serves(daemon):
-    with shardd.Client(daemon.socket) as c:
+    # Reconnecting off: the cut itself is the error (tests/python/test_reconnect.py: on).
+    with shardd.Client(daemon.socket, reconnect_timeout=0) as c:
         stream = c.stream("train", epoch=0, rank=0, world_size=1)
         next(stream)
         daemon.kill()
-        with pytest.raises(shardd.ProtocolError, match="closed the connection mid-stream"):
+        with pytest.raises(shardd.ConnectionLostError) as e:
             list(stream)
+    assert str(e.value) == f"the shardd daemon at {daemon.socket} closed the connection mid-stream"
+    assert isinstance(e.value, shardd.ProtocolError) and isinstance(e.value, ConnectionError)
     daemon.start()  # replaces the stale socket file left by the killed process
     still_serves(daemon)
 
@@ -246,3 +250,171 @@ def test_credentials_never_leave_the_daemon(make_daemon, s3_endpoint):
     assert "GET" in seen["log"] or "stream" in seen["log"]  # the log is not empty
     for where, text in seen.items():
         assert secret not in text and key_id not in text, f"a credential in the {where}"
+
+
+# -- client side: what the client raises for faults the real daemon never makes --------------
+
+
+class FakeDaemon:
+    """A Unix socket that plays one scripted function per accepted connection (given the
+    connection), for peers that misbehave in ways the real daemon does not. ``requests``:
+    the REQUEST bodies the functions read."""
+
+    def __init__(self, path, *script):
+        import socket
+        import threading
+
+        self.path, self.requests, self.failures = str(path), [], []
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(self.path)
+        self.listener.listen(8)
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, script):
+        for play in script:
+            conn, _ = self.listener.accept()
+            try:
+                play(self, conn)
+            except OSError:
+                pass  # the client went away: what the script provokes
+            except BaseException as e:
+                self.failures.append(e)
+            finally:
+                conn.close()
+
+    def read_request(self, conn):
+        head = b""
+        while len(head) < 13:
+            head += conn.recv(13 - len(head))
+        length = struct.unpack_from("<I", head, 8)[0]
+        body = b""
+        while len(body) < length:
+            body += conn.recv(length - len(body))
+        self.requests.append(json.loads(body))
+
+    def close(self):
+        self.thread.join(10)
+        self.listener.close()
+        assert not self.failures, self.failures
+
+
+def frame(kind, body):
+    return struct.pack("<IB", len(body), kind) + body
+
+
+def json_frame(kind, value):
+    return frame(kind, json.dumps(value).encode())
+
+
+def batch_frame(samples, url="file:///fake.tar"):
+    """A BATCH body per PROTOCOL.md: ``samples`` is [(key, {field: bytes})]."""
+    names = sorted({f for _, fields in samples for f in fields})
+    tables = b"".join(struct.pack("<I", len(x)) + x for x in [n.encode() for n in names] + [url.encode()])
+    words, payload = [], b""
+    for key, fields in samples:
+        words += [len(fields) << 16, len(key)]
+        payload += key.encode()
+        for name, data in fields.items():
+            words += [names.index(name), len(data)]
+            payload += data
+    pieces = [len(k) for k, _ in samples] + [len(d) for _, f in samples for d in f.values()]
+    offset = 24 + len(tables) + 4 * len(words)
+    header = struct.pack("<6I", len(samples), len(words), len(names), 1, offset, max(pieces))
+    return frame(3, header + tables + struct.pack(f"<{len(words)}I", *words) + payload)
+
+
+PREAMBLE = b"SHARDD\x02\x00"
+START = {"dataset": "fake", "shards": 1, "host": 0, "hosts": 1, "samples": 3, "position": 0,
+         "dropped": 0, "fingerprint": "00000000000000aa"}
+FAKE = [(f"k{i}", {"bin": bytes([i]) * 100, "cls": b"%d" % i}) for i in range(3)]
+
+
+@pytest.fixture
+def fake(tmp_path):
+    made = []
+
+    def make(*script):
+        made.append(FakeDaemon(tmp_path / "fake.sock", *script))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def reset_after_one_sample(fake_daemon, conn):
+    # The request is left unread (only waited for): closing a Unix socket with unread data
+    # resets the peer.
+    import socket
+
+    conn.recv(1, socket.MSG_PEEK)
+    conn.sendall(PREAMBLE + json_frame(2, START) + batch_frame(FAKE[:1]) + batch_frame(FAKE[1:])[:30])
+    fake_daemon.requests.append(None)
+
+
+def the_rest(fake_daemon, conn):
+    fake_daemon.read_request(conn)
+    conn.sendall(PREAMBLE + json_frame(2, dict(START, position=1)) + batch_frame(FAKE[1:])
+                 + json_frame(4, {"samples": 2, "bytes": 206}))
+
+
+def test_a_connection_reset_mid_stream_is_resumed(fake, caplog):
+    f = fake(reset_after_one_sample, the_rest)
+    got = list(shardd.Client(f.path).stream("fake", epoch=0, rank=0, world_size=1))
+    assert [(s["__key__"], s["bin"], s["cls"]) for s in got] == [(k, v["bin"], v["cls"]) for k, v in FAKE]
+    assert f.requests[1]["start"] == 1
+    assert f"lost the shardd daemon at {f.path} (Connection reset by peer) at sample 1 of" in caplog.text
+
+
+def test_a_connection_reset_is_a_shardd_error(fake):
+    f = fake(reset_after_one_sample)
+    stream = shardd.Client(f.path, reconnect_timeout=0).stream("fake", epoch=0, rank=0, world_size=1)
+    assert next(stream)["__key__"] == "k0"
+    with pytest.raises(shardd.ConnectionLostError) as e:
+        next(stream)
+    assert str(e.value) == f"the connection to the shardd daemon at {f.path} was lost (Connection reset by peer)"
+    assert isinstance(e.value, ConnectionError) and stream.position == 1
+
+
+def test_a_socket_path_that_cannot_be_one_is_a_shardd_error_at_once(tmp_path):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "shardd.sock"
+    with pytest.raises(shardd.UnavailableError) as e:
+        shardd.Client(path).stream("train", epoch=0, rank=0, world_size=1)  # not retried
+    assert str(e.value) == f"no shardd daemon at {path} (Not a directory)"
+    assert isinstance(e.value, ConnectionError)
+
+
+def test_a_timeout_is_a_shardd_error(fake):
+    def silent_after_start(fake_daemon, conn):
+        fake_daemon.read_request(conn)
+        conn.sendall(PREAMBLE + json_frame(2, START))
+        conn.recv(1)  # until the client leaves
+
+    f = fake(silent_after_start)
+    stream = shardd.Client(f.path, timeout=0.2).stream("fake", epoch=0, rank=0, world_size=1)
+    with pytest.raises(shardd.StreamTimeoutError) as e:
+        next(stream)
+    assert str(e.value) == (f"the shardd daemon at {f.path} sent nothing for 0.2 s (the timeout "
+                            f"given to Client) while reading dataset 'fake' epoch 0 rank 0 of 1, "
+                            f"worker 0 of 1")
+    assert isinstance(e.value, TimeoutError)
+
+
+@pytest.mark.parametrize("body, message", [
+    (json.dumps({"code": "stream_failed", "message": "x" * (2 << 20)}).encode(),
+     "sent an ERROR frame of 2097192 bytes, over the limit of 1048576 bytes for one; it begins "
+     "b'{\"code\": \"stream_failed\", \"message\": \"" + "x" * 162 + "'"),
+    (b"<html>oops</html>",
+     "sent an ERROR frame that is not JSON (Expecting value: line 1 column 1 (char 0)): b'<html>oops</html>'"),
+], ids=["2MiB", "not-json"])
+def test_a_bad_error_frame_says_what_happened(fake, body, message):
+    def error(fake_daemon, conn):
+        fake_daemon.read_request(conn)
+        conn.sendall(PREAMBLE + frame(5, body))
+
+    f = fake(error)
+    with pytest.raises(shardd.ProtocolError) as e:
+        shardd.Client(f.path).stream("fake", epoch=0, rank=0, world_size=1)
+    assert str(e.value) == f"the daemon at {f.path} {message}"

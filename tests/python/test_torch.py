@@ -46,15 +46,16 @@ def served(tmp_path_factory):
         capture_output=True, text=True)
     assert make.returncode == 0, make.stderr
     tiny = json.loads(make.stdout.strip().splitlines()[-1])
-    daemon = Daemon(root, (
+    config = (
         "[host]\nindex = 0\ncount = 1\n"
         f'[datasets.exact]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 20\n'
         f'[datasets.plain]\nshards = "{pattern}"\nshuffle_buffer = 20\n'
         f'[datasets.tiny]\nshards = "{tiny["shards"]}"\nmanifest = "{tiny["manifest"]}"\n'
         "shuffle_buffer = 50\n"
-    ))
+    )
+    daemon = Daemon(root, config)
     yield types.SimpleNamespace(socket=str(daemon.socket), paths=paths, daemon=daemon,
-                                reference=reference_samples(paths))
+                                reference=reference_samples(paths), config=config)
     daemon.stop()
 
 
@@ -133,6 +134,32 @@ def test_epoch_length_is_exact_with_a_manifest(served):
             assert ds.epoch_length(k, BATCH, drop_last) == len(got)
         assert ds.epoch_length(k) == sum(map(len, streams(served.socket, "exact", 0, max(1, k))))
     assert st.ShardDataset("plain", socket=served.socket).epoch_length(2, BATCH) is None
+
+
+def test_plan_checks_and_lengths_open_no_stream(served, tmp_path):
+    """epoch_length and verify_plan (set_epoch's check) ask with plan requests: the daemon
+    registers no schedule and loads nothing for them (a probe stream's schedule would linger
+    for minutes and skew prefetching), and they get the START the real stream gets."""
+    d = Daemon(tmp_path, served.config)
+    try:
+        ds = st.ShardDataset("exact", socket=str(d.socket), seed=2)
+        ds.set_epoch(3)
+        length = ds.epoch_length(2)
+        fingerprint = ds.verify_plan()
+        planned = shardd.Client(d.socket).plan("exact", epoch=3, rank=0, world_size=1, seed=2,
+                                               worker=1, num_workers=2)
+        assert d.metric("shardd_shard_fetches_total") == 0
+        assert d.metric("shardd_streams_total") == 0
+        with shardd.Client(d.socket) as c:
+            whole = c.stream("exact", epoch=3, rank=0, world_size=1, seed=2)
+            one_of_two = c.stream("exact", epoch=3, rank=0, world_size=1, seed=2, worker=1, num_workers=2)
+            assert fingerprint == whole.fingerprint
+            assert length == 2 * one_of_two.samples == 2 * len(list(one_of_two))
+            assert planned == {"dataset": "exact", "shards": one_of_two.shards, "host": 0, "hosts": 1,
+                               "samples": one_of_two.samples, "position": 0,
+                               "dropped": one_of_two.dropped, "fingerprint": one_of_two.fingerprint}
+    finally:
+        d.stop()
 
 
 DIST_SCRIPT = r"""
@@ -300,20 +327,26 @@ def test_plain_dataloader_resumes_exactly_after_a_batch_count(served, num_worker
 
 
 def test_errors_name_what_is_wrong(served, tmp_path):
-    ds = st.ShardDataset("exact", socket=tmp_path / "none.sock")
-    with pytest.raises(ConnectionError, match=f"no shardd daemon at {tmp_path}/none.sock \\(No such file or directory\\): start"):
+    # Reconnecting off: at once (test_reconnect.py has the wait for a restarting daemon).
+    ds = st.ShardDataset("exact", socket=tmp_path / "none.sock", reconnect_timeout=0)
+    with pytest.raises(shardd.UnavailableError) as e:
         next(iter(ds))
+    assert str(e.value) == (
+        f"no shardd daemon at {tmp_path}/none.sock (No such file or directory): start `shardd "
+        f"serve`, or pass ShardDataset(socket=...) or set SHARDD_SOCKET to its server.socket")
+    assert isinstance(e.value, ConnectionError)
     with pytest.raises(shardd.DaemonError, match='unknown dataset "nope"'):
         next(iter(st.ShardDataset("nope", socket=served.socket)))
     # From a worker, torch re-raises the exception type with the worker's traceback as its
     # message (DaemonError takes a lone message for that; the code does not travel).
     with pytest.raises(shardd.DaemonError, match='unknown dataset "nope"'):
         list(make_loader(st.ShardDataset("nope", socket=served.socket), 2))
-    # PlanMismatch comes back as itself.
+    # PlanMismatch (here its PlanChangedError) comes back as itself.
     ds = st.ShardDataset("exact", socket=served.socket)
     ds.load_state_dict(dict(ds.state_dict(), position=3, fingerprint="0123456789abcdef"))
-    with pytest.raises(st.PlanMismatch, match="cannot resume epoch 0 .* saved on plan 0123456789abcdef"):
+    with pytest.raises(st.PlanChangedError, match="cannot resume epoch 0 .* saved on plan 0123456789abcdef"):
         list(make_loader(ds, 1))
+    assert st.PlanMismatch is shardd.PlanMismatch and issubclass(st.PlanMismatch, shardd.Error)
 
 
 def test_skip_with_workers_needs_a_manifest(served):

@@ -3,23 +3,41 @@ epoch after epoch of one (dataset, rank, worker) through the real Python client 
 ``key<TAB>digest`` per sample to ``OUT/<dataset>-r<rank>-w<worker>-e<epoch>.log``, then
 ``END<TAB>samples`` when the epoch's stream ended.
 
-Started again after a kill, it resumes where its file stops (a partial last line is cut off):
-it asks for ``start`` = the lines on disk, so the file must come out exactly as one
-uninterrupted read. A daemon that went away (killed, restarting) is waited for and the stream
-resumed the same way. Daemon errors are appended to ``<name>.errors`` and retried a few
-times; the soak reports them.
+Started again after a kill of the reader, it resumes where its file stops (a partial last line
+is cut off): it asks for ``start`` = the lines on disk, so the file must come out exactly as one
+uninterrupted read. A daemon that went away (killed, restarting) is the client's business: its
+own reconnect resumes the stream (``reconnect_timeout``), and the reader only records the
+client's warnings. Now and then the reader pauses (a trainer's evaluation pass), some pauses
+longer than the daemon's ``stall_timeout``. Daemon errors, the client's reconnect warnings and
+the pauses are appended to ``<name>.errors``; daemon errors are retried a few times; the soak
+reports them all.
 """
 
 import argparse
 import hashlib
+import logging
 import pathlib
+import random
 import sys
 import time
 
 import shardd
 
-RECONNECT_DEADLINE = 180.0
+# A daemon's start checks the manifest through the faulty store: it can take minutes.
+RECONNECT_TIMEOUT = 180.0
 MAX_ERRORS_PER_EPOCH = 5
+
+
+class Recorder(logging.Handler):
+    """Writes the client's warnings (one per outage: a reconnect) to the ``.errors`` file."""
+
+    def __init__(self, errors):
+        super().__init__(logging.WARNING)
+        self.errors, self.epoch = errors, None
+
+    def emit(self, record):
+        self.errors.write(f"RECONNECT\t{self.epoch}\t{record.getMessage()}\n")
+        self.errors.flush()
 
 
 def digest(sample):
@@ -47,7 +65,7 @@ def lines_on_disk(path):
     return len(lines), False
 
 
-def read_epoch(args, epoch, path, errors):
+def read_epoch(args, epoch, path, errors, pauses):
     """Reads (the rest of) one epoch into ``path``; returns once it ended."""
     failures = 0
     while True:
@@ -55,7 +73,8 @@ def read_epoch(args, epoch, path, errors):
         if ended:
             return
         try:
-            with shardd.Client(args.socket) as client, open(path, "a") as out:
+            with shardd.Client(args.socket, reconnect_timeout=RECONNECT_TIMEOUT) as client, \
+                    open(path, "a") as out:
                 stream = client.stream(args.dataset, epoch=epoch, rank=args.rank,
                                        world_size=args.world_size, worker=args.worker,
                                        num_workers=args.workers, seed=args.seed, start=position)
@@ -64,42 +83,43 @@ def read_epoch(args, epoch, path, errors):
                 for sample in stream:
                     out.write(f"{sample['__key__']}\t{digest(sample)}\n")
                     n += 1
+                    if time.monotonic() >= pauses.due:
+                        out.flush()
+                        pauses.pause(errors, epoch)
                 if stream.samples is not None and n != stream.samples:
                     raise AssertionError(f"{path.name}: {n} samples, START said {stream.samples}")
                 out.write(f"END\t{n}\n")
             return
-        except (shardd.ProtocolError, ConnectionError, FileNotFoundError) as e:
-            # The daemon went away (the soak killed it): wait for it and resume.
-            errors.write(f"RECONNECT\t{epoch}\t{type(e).__name__}: {e}\n")
-            errors.flush()
-            wait_for_socket(args.socket)
         except shardd.DaemonError as e:
+            # About the data (e.g. a shard the faulty store failed too often): resume by hand.
             errors.write(f"ERROR\t{epoch}\t{e.code}\t{e}\n")
             errors.flush()
-            if e.code == "shutdown":
-                wait_for_socket(args.socket)
-                continue
             failures += 1
             if failures > MAX_ERRORS_PER_EPOCH:
                 raise
 
 
-def wait_for_socket(path):
-    """Until a connection to the daemon's socket succeeds (it may be restarting). Not
-    conftest's wait_for: importing conftest (webdataset, which imports torch) costs 24 readers
-    seconds of CPU each."""
-    import socket
+class Pauses:
+    """When the reader stops reading next, and for how long: every ``every`` seconds on
+    average, for 0.1 to ``longest`` seconds (the soak makes that longer than the daemons'
+    stall_timeout, so some paused streams are parked by the daemon)."""
 
-    end = time.monotonic() + RECONNECT_DEADLINE
-    while True:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(path)
-                return
-        except OSError:
-            if time.monotonic() > end:
-                raise TimeoutError(f"no daemon at {path} for {RECONNECT_DEADLINE}s")
-            time.sleep(0.05)
+    def __init__(self, every, longest, seed):
+        self.every, self.longest = every, longest
+        self.rng = random.Random(seed)
+        self.due = self._next()
+
+    def _next(self):
+        if self.every <= 0:
+            return float("inf")
+        return time.monotonic() + self.rng.expovariate(1 / self.every)
+
+    def pause(self, errors, epoch):
+        seconds = self.rng.uniform(0.1, self.longest)
+        errors.write(f"PAUSE\t{epoch}\t{seconds:.2f}\n")
+        errors.flush()
+        time.sleep(seconds)  # the pause under test: a trainer that stops reading
+        self.due = self._next()
 
 
 def main():
@@ -109,17 +129,23 @@ def main():
     for name in ("rank", "world-size", "worker", "workers", "seed"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--until", type=float, required=True, help="start no epoch after this time")
+    p.add_argument("--pause-every", type=float, default=0, help="mean seconds between pauses")
+    p.add_argument("--pause-max", type=float, default=0, help="longest pause, seconds")
     args = p.parse_args()
     out = pathlib.Path(args.out)
     name = f"{args.dataset}-r{args.rank}-w{args.worker}"
     with open(out / f"{name}.errors", "a") as errors:
+        recorder = Recorder(errors)
+        logging.getLogger("shardd").addHandler(recorder)
+        pauses = Pauses(args.pause_every, args.pause_max, f"{name}-{time.time_ns()}")
         epoch = 0
         while True:
             path = out / f"{name}-e{epoch:03d}.log"
             if not lines_on_disk(path)[1]:
                 if time.time() > args.until and not path.exists():
                     return 0  # an epoch already started is finished
-                read_epoch(args, epoch, path, errors)
+                recorder.epoch = epoch
+                read_epoch(args, epoch, path, errors, pauses)
             epoch += 1
 
 

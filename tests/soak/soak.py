@@ -9,14 +9,18 @@ What runs: fake-gcs-server holding shards written by webdataset, the fault proxy
 below its share of the data, and one reader process (reader.py, the real Python client) per
 (host, dataset, rank, worker) reading epoch after epoch. Two datasets over the same shards:
 `plain` (planned by shards) and `exact` (with a manifest: sample-level plans). Every few
-seconds a random reader or daemon is killed with SIGKILL and started again; readers resume
-with `start` where their output stops.
+seconds a random reader or daemon is killed with SIGKILL and started again: a killed reader
+resumes with `start` where its output stops; a killed daemon is the client's own business
+(its reconnect resumes every stream). Readers pause now and then, some for longer than the
+daemons' `stall_timeout` (the daemon parks those streams and resumes them).
 
 What it asserts, in a one-screen report (exit 1 on any failure):
 - every completed stream is byte-equal to webdataset's reading of the same samples, and in
   exactly the order a fault-free daemon (no proxy, no kills, no cache limit) serves it;
 - the `exact` streams of an epoch, over all hosts, hold every sample once but the dropped;
-- no daemon dies other than by the soak's kills, no reader fails;
+- no daemon dies other than by the soak's kills, no reader fails (a reader fails on any error
+  the client raises but a daemon error, retried a few times: a daemon restart must be
+  invisible to it), and some readers paused longer than `stall_timeout`;
 - each cache directory never holds more than its budget (sampled every 50 ms);
 - open fds, threads and RSS of each daemon stay bounded, with no growth from the first third
   of the run to the last.
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -79,13 +84,14 @@ def write_shards(directory, n, rng):
             for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False)}
 
 
-def config(socket_path, cache_dir, endpoint, host, hosts, budget, manifest, shards, metrics_port):
+def config(socket_path, cache_dir, endpoint, host, hosts, budget, manifest, shards, metrics_port,
+           stall_timeout):
     pattern = f"gs://{BUCKET}/soak/shard-{{0000..{shards - 1:04d}}}.tar"
     return f"""
 [server]
 socket = "{socket_path}"
 metrics_addr = "127.0.0.1:{metrics_port}"
-stall_timeout = "30s"
+stall_timeout = "{stall_timeout}s"
 [host]
 index = {host}
 count = {hosts}
@@ -177,6 +183,16 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
 
+    def parks(self):
+        """Streams parked since this daemon's last start (``shardd_stream_parks_total``)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return 0
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("shardd_stream_parks_total"))
+
     def log_tail(self, lines=8):
         text = (self.dir / "shardd.log").read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
@@ -200,12 +216,13 @@ class Daemon:
 
 
 class Reader:
-    def __init__(self, daemon, dataset, rank, world, worker, workers, seed, out, until):
+    def __init__(self, daemon, dataset, rank, world, worker, workers, seed, out, until, pauses):
         self.daemon, self.dataset, self.rank, self.worker = daemon, dataset, rank, worker
         self.argv = [sys.executable, str(HERE / "reader.py"), "--socket", daemon.socket,
                      "--dataset", dataset, "--rank", str(rank), "--world-size", str(world),
                      "--worker", str(worker), "--workers", str(workers), "--seed", str(seed),
-                     "--out", str(out), "--until", str(until)]
+                     "--out", str(out), "--until", str(until), "--pause-every", str(pauses[0]),
+                     "--pause-max", str(pauses[1])]
         self.log = out / f"{dataset}-r{rank}-w{worker}.stderr"
         self.proc = None
         self.start()
@@ -252,6 +269,11 @@ def main():
     p.add_argument("--fault-rate", type=float, default=0.1, help="share of store requests failed")
     p.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kill -9s")
     p.add_argument("--budget", type=float, default=0.6, help="cache budget / one host's share")
+    p.add_argument("--stall-timeout", type=float, default=2.0, help="the daemons' stall_timeout, s")
+    p.add_argument("--pause-every", type=float, default=15.0,
+                   help="mean seconds between a reader's pauses (0: none)")
+    p.add_argument("--pause-max", type=float, default=None,
+                   help="longest pause, s (default 2.5 x stall-timeout; pauses are uniform from 0.1 s)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--shardd", default=str(ROOT / "target" / "release" / "shardd"))
     p.add_argument("--workdir", help="keep everything here (default: a temporary directory, "
@@ -277,7 +299,7 @@ def main():
         d = work / name / f"host{host}"
         port = free_port()
         return d, config(d / "shardd.sock", d / "cache", endpoint, host, H, max_size,
-                         work / "manifest.json", args.shards, port), port
+                         work / "manifest.json", args.shards, port, args.stall_timeout), port
 
     # The manifest, written straight from the store (it is the job's input, not under test).
     d, text, _ = host_config("index", 0, gcs.endpoint, "1GiB")
@@ -292,7 +314,9 @@ def main():
     until = time.time() + args.minutes * 60
     out = work / "streams"
     out.mkdir()
-    readers = [Reader(daemons[h], ds, h * L + r, world, w, W, args.seed, out, until)
+    pause_max = args.pause_max if args.pause_max is not None else 2.5 * args.stall_timeout
+    readers = [Reader(daemons[h], ds, h * L + r, world, w, W, args.seed, out, until,
+                      (args.pause_every, pause_max))
                for h in range(H) for ds in DATASETS for r in range(L) for w in range(W)]
     log(f"{len(readers)} readers until {time.strftime('%H:%M:%S', time.localtime(until))}")
 
@@ -353,6 +377,7 @@ def main():
         failures.extend(f"host {h}: {e}" for e in dm.start_errors)
     for dm in daemons:
         dm.resources()  # the last CPU figures
+    parks = sum(dm.parks() for dm in daemons)
     cpu = sum(sum(dm.cpu.values()) for dm in daemons)
     for h, dm in enumerate(daemons):
         code = dm.stop()
@@ -413,20 +438,23 @@ def main():
     gcs.stop()
     log(f"checked {completed} streams in {time.monotonic() - t0 - elapsed:.0f}s")
 
-    reconnects = errors = 0
+    reconnects = 0
+    pauses, long_pauses = 0, 0
     error_kinds = collections.Counter()
     for f in out.glob("*.errors"):
         for line in f.read_text().splitlines():
             kind = line.split("\t")
-            if kind[0] == "RECONNECT":
+            if kind[0] == "RECONNECT":  # the client's warning: one per outage of one stream
                 reconnects += 1
+            elif kind[0] == "PAUSE":
+                pauses += 1
+                long_pauses += float(kind[2]) > args.stall_timeout
             else:
-                errors += 1
                 error_kinds[kind[2]] += 1
-    # The daemon stopping under a stream (a kill is not: that is a reconnect) is not a fault.
-    unexpected = {k: n for k, n in error_kinds.items() if k != "shutdown"}
-    if unexpected:
-        failures.append(f"daemon errors in streams: {unexpected}")
+    if error_kinds:
+        failures.append(f"daemon errors in streams: {dict(error_kinds)}")
+    if args.pause_every > 0 and pause_max > args.stall_timeout and not long_pauses:
+        failures.append(f"no reader paused longer than stall_timeout ({args.stall_timeout:g} s)")
 
     growth = []
     for h, s in enumerate(samples):
@@ -461,7 +489,11 @@ def main():
           + ", ".join(f"{k} {proxy.counts[k]}" for k in FAULTS)
           + f"; {proxy.bytes / MiB:.0f} MiB of bodies")
     print(f"  kills     {kills['daemon']} daemons, {kills['reader']} readers (SIGKILL); "
-          f"{reconnects} stream reconnects; daemon errors {dict(error_kinds) or 'none'}")
+          f"{reconnects} stream outages the client reconnected through; daemon errors "
+          f"{dict(error_kinds) or 'none'}")
+    print(f"  pauses    {pauses} reader pauses of 0.1-{pause_max:g} s, {long_pauses} longer than "
+          f"stall_timeout {args.stall_timeout:g} s; {parks:.0f} streams parked (counted since "
+          f"each daemon's last start)")
     print(f"  served    {total_samples} samples, {total_bytes / 2**30:.1f} GiB in completed streams; "
           f"daemons' CPU {cpu:.0f} s ({cpu / max(total_bytes / 1e9, 1e-9):.2f} s per GB; the killed "
           f"ones' last second not counted)")

@@ -1,4 +1,4 @@
-"""The client side of proto/PROTOCOL.md (version 2).
+"""The client side of proto/PROTOCOL.md (version 3).
 
 Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
 (keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
@@ -6,16 +6,26 @@ batch's descriptors are decoded with a single ``struct.unpack_from``; large piec
 ``DIRECT_MIN`` bytes) are received straight into their own ``bytes`` object with
 ``MSG_WAITALL``, so the kernel copies them exactly once. Reads are bounded so the buffer never
 runs ahead into a large piece.
+
+A stream survives a daemon restart (PROTOCOL.md, "Reconnecting"): when its connection is cut,
+or the daemon says ``shutdown`` or ``busy``, or nothing listens at the socket, it connects
+again with backoff for up to ``reconnect_timeout`` seconds, reopens the stream at its position
+(``start``) and checks that the plan fingerprint did not change. All of that lives on the
+failure path: the per-sample path is untouched.
 """
 
+import errno
 import json
+import logging
 import os
+import random
 import socket
 import struct
+import time
 import weakref
 
 MAGIC = b"SHARDD"
-VERSION = 2
+VERSION = 3
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 
 KIND_REQUEST = 1
@@ -31,6 +41,25 @@ _U32 = struct.Struct("<I")
 _INITIAL_BUFFER = 4 << 20
 # Pieces at least this large are received directly into their own bytes object.
 DIRECT_MIN = 64 << 10
+# START, END and ERROR bodies are small JSON objects; a larger one is not read (a peer that
+# is not a shardd daemon, or a broken one, must not make the client allocate gigabytes).
+MAX_JSON_FRAME = 1 << 20
+
+# How long a stream waits for a daemon that went away (restart, kill, upgrade) before it
+# gives up: a systemd restart with a cold page cache, with room to spare.
+RECONNECT_TIMEOUT = 300.0
+# Backoff between attempts: doubling from the first to the cap, each delay jittered down to
+# half so that the streams of a host do not reconnect in lockstep.
+_BACKOFF_FIRST = 0.05
+_BACKOFF_CAP = 2.0
+# ERROR codes about the daemon's state, not the request: worth another attempt. Every other
+# code is about the request itself and is raised at once.
+RETRY_CODES = frozenset({"shutdown", "busy"})
+# connect() errors that mean "no daemon listens there right now": the socket file is gone
+# (a stopped daemon removes it), stale (a killed one leaves it), or the backlog is full.
+_RETRY_CONNECT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN})
+
+log = logging.getLogger("shardd")
 
 
 class Error(Exception):
@@ -50,7 +79,56 @@ class DaemonError(Error):
 
 
 class ProtocolError(Error):
-    """The peer did not follow the protocol (not a shardd socket, a cut connection, ...)."""
+    """The peer did not follow the protocol (not a shardd socket, a malformed frame, ...)."""
+
+
+class ConnectionLostError(ProtocolError, ConnectionError):
+    """The connection to the daemon was cut (the daemon was killed, restarted or stopped), and
+    the stream could not reconnect: ``reconnect_timeout=0``. (With reconnecting on, a daemon
+    that does not come back raises ``UnavailableError``.)"""
+
+    def __init__(self, message):  # one argument: torch re-raises a worker's error as type(text)
+        super().__init__(message)
+
+
+class UnavailableError(Error, ConnectionError):
+    """No shardd daemon could be reached at the socket: at once when the path cannot be a
+    daemon's socket (not a directory, permission denied) or ``reconnect_timeout=0``, else once
+    ``reconnect_timeout`` seconds of attempts have passed. The message names the socket, the
+    time waited and the last cause."""
+
+    def __init__(self, message, retry=False, reason=None):
+        super().__init__(message)
+        self.retry = retry  # whether a daemon (re)starting there would explain it
+        self.reason = reason or message  # the cause alone, e.g. "Connection refused"
+
+
+class StreamTimeoutError(Error, TimeoutError):
+    """The daemon sent nothing for the ``timeout`` given to ``Client``. Not retried: the
+    timeout is the caller's bound."""
+
+    def __init__(self, message):
+        super().__init__(message)
+
+
+class PlanMismatch(Error, RuntimeError):
+    """Two views of one epoch's plan disagree: ranks of a job (``shardd.torch``'s check at
+    ``set_epoch``), or a position and the daemon's plan now (``PlanChangedError``). Reading on
+    would repeat and skip samples, or hang a synchronous job. (``shardd.torch.PlanMismatch``
+    is this class.)"""
+
+    def __init__(self, message):  # one argument: torch re-raises a worker's error as type(text)
+        super().__init__(message)
+
+
+class PlanChangedError(PlanMismatch):
+    """A stream was to continue at a position (after a reconnect, or from a saved state) but
+    the daemon now plans another order for it: its config (shards, manifest, host count,
+    dataset settings) changed. ``old`` and ``new`` are the two plan fingerprints."""
+
+    def __init__(self, message, old=None, new=None):
+        super().__init__(message)
+        self.old, self.new = old, new
 
 
 class ForkedStreamError(Error, RuntimeError):
@@ -79,11 +157,17 @@ if hasattr(os, "register_at_fork"):
 class Client:
     """A connection factory for one daemon socket. Each ``stream()`` opens its own connection,
     so a client can be shared by the DataLoader workers of a process after fork only if each
-    worker opens its own streams (it does: streams are never shared)."""
+    worker opens its own streams (it does: streams are never shared).
 
-    def __init__(self, socket_path, timeout=None):
+    ``timeout``: a socket timeout in seconds (None blocks; a timeout turns off the direct
+    receive of large fields). ``reconnect_timeout``: how long a stream keeps trying to reach a
+    daemon that went away, in seconds (default 300; 0 turns reconnecting off; ``float("inf")``
+    never gives up); see ``Stream``."""
+
+    def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT):
         self.socket_path = str(socket_path)
         self.timeout = timeout
+        self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
         # Weak: a stream the caller dropped (``break`` out of the loop) is collected and its
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
@@ -95,20 +179,26 @@ class Client:
         ``start`` resumes: the stream skips the first ``start`` samples it would have
         delivered and yields exactly the rest, in the same order (``Stream.position`` counts
         from it)."""
-        request = {
-            "op": "stream",
-            "dataset": dataset,
-            "epoch": int(epoch),
-            "rank": int(rank),
-            "world_size": int(world_size),
-            "worker": int(worker),
-            "num_workers": int(num_workers),
-            "seed": int(seed),
-            "start": int(start),
-        }
-        s = Stream(self.socket_path, request, self.timeout, self._open.discard)
+        request = _request("stream", dataset, epoch, rank, world_size, seed, worker, num_workers)
+        request["start"] = int(start)
+        s = Stream(self.socket_path, request, self.timeout, self._open.discard,
+                   self.reconnect_timeout)
         self._open.add(s)
         return s
+
+    def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1):
+        """The START of the stream ``stream()`` would open with the same arguments, without
+        opening it: the daemon registers no schedule and loads nothing (protocol 3, op
+        ``plan``). Returns START's fields as a dict: ``dataset``, ``shards``, ``samples``
+        (None without a manifest), ``position``, ``dropped``, ``fingerprint``, ... Waits for a
+        restarting daemon like ``stream()``; a refused request raises ``DaemonError``."""
+        request = _request("plan", dataset, epoch, rank, world_size, seed, worker, num_workers)
+        with Stream(self.socket_path, request, self.timeout, None, self.reconnect_timeout) as s:
+            for _ in s:
+                raise ProtocolError(f"the daemon at {self.socket_path} sent samples for a plan "
+                                    f"request (it speaks protocol {s.peer_version}; op plan "
+                                    f"needs 3)")
+            return dict(s.start_fields)
 
     def close(self):
         """Closes every stream still open."""
@@ -122,48 +212,60 @@ class Client:
         self.close()
 
 
-class Stream:
-    """One stream: iterate it for samples. ``shards`` is how many shards it reads; after the
-    last sample, ``end`` holds the daemon's summary (``samples``, ``bytes``)."""
+def _request(op, dataset, epoch, rank, world_size, seed, worker, num_workers):
+    return {
+        "op": op,
+        "dataset": dataset,
+        "epoch": int(epoch),
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "worker": int(worker),
+        "num_workers": int(num_workers),
+        "seed": int(seed),
+    }
 
-    def __init__(self, socket_path, request, timeout=None, on_close=None):
-        self._on_close = on_close
+
+class Stream:
+    """One stream: iterate it for samples. ``shards`` is how many shards it reads (``samples``,
+    ``dropped``, ``fingerprint``: see PROTOCOL.md; ``start_fields``: the whole START, as a
+    dict); after the last sample, ``end`` holds the daemon's summary of the last connection
+    (``samples``, ``bytes``: what that connection sent).
+
+    A daemon that goes away is waited for (``reconnect_timeout`` seconds; 0: not at all): the
+    connection is cut, the daemon says ``shutdown`` or ``busy``, or nothing listens at the
+    socket. The stream then reopens at ``position`` and goes on with the same samples in the
+    same order, provided the daemon's plan fingerprint is the one it had (else
+    ``PlanChangedError``). One warning per outage goes to the ``shardd`` logger, and an info
+    line when the stream resumed. Opening the stream waits for the daemon the same way, so a
+    DataLoader worker that opens an epoch while the daemon restarts goes on too; a wrong
+    socket path is named in that first warning. ``reconnects`` counts the outages survived."""
+
+    def __init__(self, socket_path, request, timeout=None, on_close=None,
+                 reconnect_timeout=RECONNECT_TIMEOUT):
+        self._closed = False
         self._sock = None
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
+        self._lo = 0  # first unread byte
+        self._hi = 0  # end of received bytes
+        self._on_close = on_close
+        self._path = socket_path
+        self._request = request
+        self._timeout = timeout
+        self._reconnect_timeout = reconnect_timeout
         # MSG_WAITALL needs a blocking socket; with a timeout, everything goes through the buffer.
         self._direct = timeout is None
         self._buf = bytearray(_INITIAL_BUFFER)
         self._mv = memoryview(self._buf)
-        self._lo = 0  # first unread byte
-        self._hi = 0  # end of received bytes
         self._pending = []
         self._pos = 0
         self._base = 0
         self.end = None
+        self.fingerprint = None  # set by the first START
+        self.reconnects = 0
+        self.peer_version = None  # the daemon's protocol version, from its preamble
         self._forked_from = None  # the pid that opened the stream, once inherited by a child
         _LIVE.add(self)
         try:
-            self._sock.connect(socket_path)
-            body = json.dumps(request).encode()
-            self._sock.sendall(PREAMBLE + _HEADER.pack(len(body), KIND_REQUEST) + body)
-            preamble = self._take(len(PREAMBLE))
-            if preamble[:6] != MAGIC:
-                raise ProtocolError(f"{socket_path} is not a shardd socket")
-            kind, length = self._frame_header()
-            if kind != KIND_START:
-                self._unexpected(kind, length)
-            start = json.loads(self._take(length))
-            self.shards = start["shards"]
-            self.dataset = start["dataset"]
-            # Exact-epoch facts (a dataset with a manifest): the stream's whole length this
-            # epoch (None without a manifest), the samples this host leaves out, and the plan's
-            # fingerprint, equal on every rank of a job that asked for the same epoch.
-            self.samples = start.get("samples")
-            self.dropped = start.get("dropped", 0)
-            self.fingerprint = start.get("fingerprint", "")
-            # Where the stream started (the request's ``start``); see ``position``.
-            self._base = start.get("position", 0)
+            self._connect()
         except BaseException:
             self.close()
             raise
@@ -177,7 +279,7 @@ class Stream:
             sample = pending[self._pos]
             self._pos += 1
             return sample
-        if self.end is not None or self._sock is None:
+        if self.end is not None or self._closed:
             if self._forked_from is not None:
                 raise ForkedStreamError(
                     f"this shardd stream was opened in process {self._forked_from} and inherited "
@@ -194,18 +296,27 @@ class Stream:
             raise
 
     def _next_batch(self):
+        # Every sample decoded so far was yielded: ``_base`` is where a reconnect resumes.
+        self._base += len(self._pending)
+        self._pending, self._pos = [], 0
+        while True:
+            try:
+                return self._read_frames()
+            except StopIteration:
+                raise
+            except Exception as e:
+                self._recover(e)
+
+    def _read_frames(self):
         while True:
             kind, length = self._frame_header()
             if kind == KIND_BATCH:
-                self._base += len(self._pending)
                 self._pending = pending = self._read_batch(length)
                 if pending:
                     self._pos = 1
                     return pending[0]
             elif kind == KIND_END:
-                self.end = json.loads(self._take(length))
-                self._base += len(self._pending)
-                self._pending, self._pos = [], 0
+                self.end = self._json(length, "END")
                 self.close()
                 raise StopIteration
             else:
@@ -218,9 +329,9 @@ class Stream:
         return self._base + self._pos
 
     def close(self):
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if not self._closed:
+            self._closed = True
+            self._drop_connection()
             _LIVE.discard(self)
             if self._on_close is not None:
                 self._on_close(self)
@@ -229,7 +340,7 @@ class Stream:
         """In a child after fork: close this process's copy of the socket (the parent's
         connection stays open) and refuse to read on. Checked only once the samples already
         decoded are gone, so the per-sample path costs nothing."""
-        if self._sock is not None:
+        if not self._closed:
             self._forked_from = os.getppid()
             self._pending, self._pos = [], 0
             self.close()
@@ -242,6 +353,159 @@ class Stream:
 
     def __del__(self):
         self.close()
+
+    # -- connecting and reconnecting (the slow path) ------------------------------------
+
+    def _describe(self):
+        r = self._request
+        return (f"dataset {r['dataset']!r} epoch {r['epoch']} rank {r['rank']} of "
+                f"{r['world_size']}, worker {r['worker']} of {r['num_workers']}")
+
+    def _handshake(self):
+        """One attempt: connects, sends the request, reads the preamble; returns START."""
+        self._drop_connection()
+        self._sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._timeout)
+        try:
+            sock.connect(self._path)
+        except socket.timeout:
+            raise
+        except OSError as e:
+            why = e.strerror or str(e)
+            raise UnavailableError(f"no shardd daemon at {self._path} ({why})",
+                                   retry=e.errno in _RETRY_CONNECT, reason=why) from e
+        body = json.dumps(self._request).encode()
+        sock.sendall(PREAMBLE + _HEADER.pack(len(body), KIND_REQUEST) + body)
+        preamble = self._take(len(PREAMBLE))
+        if preamble[:6] != MAGIC:
+            raise ProtocolError(f"{self._path} is not a shardd socket")
+        self.peer_version = struct.unpack_from("<H", preamble, 6)[0]
+        kind, length = self._frame_header()
+        if kind != KIND_START:
+            self._unexpected(kind, length)
+        return self._json(length, "START")
+
+    def _drop_connection(self):
+        """Closes the socket (not the stream) and forgets what was buffered from it."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._lo = self._hi = 0
+
+    def _connect(self, lost=None):
+        """Connects and reads START. While the failure is one a daemon (re)starting explains,
+        tries again with backoff until ``reconnect_timeout`` has passed. ``lost``: why the
+        previous connection of this stream ended (None: this is the first)."""
+        began = time.monotonic()
+        deadline = began + self._reconnect_timeout
+        delay = _BACKOFF_FIRST
+        attempts = 0
+        cause = lost
+        while True:
+            attempts += 1
+            try:
+                if self._closed:
+                    raise ConnectionLostError(f"the stream of {self._describe()} was closed")
+                start = self._handshake()
+                break
+            except Exception as e:
+                self._drop_connection()
+                retry, cause, error = self._classify(e)
+                if not retry or self._reconnect_timeout <= 0 or self._closed:
+                    if error is e:
+                        raise
+                    raise error from e
+                if lost is None and attempts == 1:
+                    log.warning("the shardd daemon at %s is not available (%s); retrying for up "
+                                "to %g s (reconnect_timeout)", self._path, cause,
+                                self._reconnect_timeout)
+                now = time.monotonic()
+                if now >= deadline:
+                    what = (f"lost the shardd daemon at {self._path} at sample {self._base} of "
+                            f"{self._describe()} ({lost}) and could not reconnect"
+                            if lost is not None else f"no shardd daemon at {self._path}")
+                    raise UnavailableError(
+                        f"{what} within reconnect_timeout = {self._reconnect_timeout:g} s "
+                        f"({now - began:.1f} s, {attempts} attempts); last: {cause}") from e
+                time.sleep(min(delay * random.uniform(0.5, 1.0), deadline - now))
+                delay = min(2 * delay, _BACKOFF_CAP)
+        self._started(start)
+        if attempts > 1 or lost is not None:
+            log.info("%s %s at sample %d on the shardd daemon at %s after %.2f s (%d attempts)",
+                     "resumed" if lost is not None else "opened", self._describe(),
+                     self._base, self._path, time.monotonic() - began, attempts)
+
+    def _started(self, start):
+        """Takes in a START: the stream's facts on the first, a check on a reconnect."""
+        try:
+            fingerprint = start.get("fingerprint", "")
+            samples = start.get("samples")
+            position = start.get("position", 0)
+            shards, dataset = start["shards"], start["dataset"]
+        except (AttributeError, KeyError) as e:
+            raise ProtocolError(f"malformed START from the daemon at {self._path}: {start!r}") from e
+        if self.fingerprint is None:
+            self.shards = shards
+            self.dataset = dataset
+            # Exact-epoch facts (a dataset with a manifest): the stream's whole length this
+            # epoch (None without a manifest), the samples this host leaves out, and the plan's
+            # fingerprint, equal on every rank of a job that asked for the same epoch.
+            self.samples = samples
+            self.dropped = start.get("dropped", 0)
+            self.fingerprint = fingerprint
+            # Where the stream started (the request's ``start``); see ``position``.
+            self._base = position
+            self.start_fields = start
+            return
+        if (fingerprint, samples) != (self.fingerprint, self.samples):
+            length = ("" if samples == self.samples
+                      else f"; its length was {self.samples} samples, now {samples}")
+            raise PlanChangedError(
+                f"the shardd daemon at {self._path} came back with another plan for "
+                f"{self._describe()}: plan fingerprint {self.fingerprint} before, {fingerprint} "
+                f"now{length}. Its config (shards, manifest, host count or dataset settings) "
+                f"changed, so the rest of the stream from sample {self._base} would be another "
+                f"order: restore the config, or restart the epoch", self.fingerprint, fingerprint)
+        if position != self._base:
+            raise ProtocolError(f"the daemon at {self._path} resumed at sample {position}, "
+                                f"not {self._base}")
+
+    def _classify(self, e):
+        """(whether a daemon (re)starting explains ``e``, a short description of it, the
+        ``shardd.Error`` to raise for it)."""
+        if isinstance(e, DaemonError):
+            return e.code in RETRY_CODES, f"{e.code}: {e}", e
+        if isinstance(e, UnavailableError):
+            return e.retry, e.reason, e
+        if isinstance(e, ConnectionLostError):
+            return True, "connection closed by the daemon", e
+        if isinstance(e, Error):
+            return False, str(e), e
+        if isinstance(e, socket.timeout):
+            return False, "timed out", StreamTimeoutError(
+                f"the shardd daemon at {self._path} sent nothing for {self._timeout:g} s (the "
+                f"timeout given to Client) while reading {self._describe()}")
+        if isinstance(e, OSError):
+            why = e.strerror or str(e)
+            return True, why, ConnectionLostError(
+                f"the connection to the shardd daemon at {self._path} was lost ({why})")
+        return False, str(e), ProtocolError(
+            f"malformed data from the daemon at {self._path}: {type(e).__name__}: {e}")
+
+    def _recover(self, e):
+        """After a failed read mid-stream: reconnects at ``_base`` or raises a shardd.Error."""
+        retry, cause, error = self._classify(e)
+        self._drop_connection()
+        if not retry or self._reconnect_timeout <= 0:
+            if error is e:
+                raise e
+            raise error from e
+        log.warning("lost the shardd daemon at %s (%s) at sample %d of %s; reconnecting for up "
+                    "to %g s (reconnect_timeout)", self._path, cause, self._base,
+                    self._describe(), self._reconnect_timeout)
+        self._request["start"] = self._base
+        self._connect(lost=cause)
+        self.reconnects += 1
 
     # -- reading -------------------------------------------------------------------------
 
@@ -266,7 +530,7 @@ class Stream:
         while self._hi - self._lo < need:
             n = recv_into(mv[self._hi : end])
             if n == 0:
-                raise ProtocolError("the daemon closed the connection mid-stream")
+                raise self._eof()
             self._hi += n
 
     def _take(self, n):
@@ -290,7 +554,7 @@ class Stream:
         while got < n:
             chunk = self._sock.recv(n - got, socket.MSG_WAITALL)
             if not chunk:
-                raise ProtocolError("the daemon closed the connection mid-stream")
+                raise self._eof()
             parts.append(chunk)
             got += len(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -301,13 +565,35 @@ class Stream:
         self._lo += _HEADER.size
         return kind, length
 
+    def _eof(self):
+        return ConnectionLostError(
+            f"the shardd daemon at {self._path} closed the connection mid-stream")
+
     def _unexpected(self, kind, length):
-        body = self._take(length) if length < (1 << 20) else b""
-        self.close()
         if kind == KIND_ERROR:
-            err = json.loads(body)
-            raise DaemonError(err.get("code", ""), err.get("message", ""))
-        raise ProtocolError(f"unexpected frame kind {kind}")
+            err = self._json(length, "ERROR")
+            raise DaemonError(str(err.get("code", "")), str(err.get("message", "")))
+        raise ProtocolError(f"unexpected frame kind {kind} from the daemon at {self._path}")
+
+    def _json(self, length, what):
+        """A START, END or ERROR body: a JSON object of at most ``MAX_JSON_FRAME`` bytes. A
+        larger one is not read (only its beginning, for the message)."""
+        frame = f"{'an' if what[0] in 'AEIOU' else 'a'} {what} frame"
+        if length > MAX_JSON_FRAME:
+            head = self._take(200)
+            raise ProtocolError(
+                f"the daemon at {self._path} sent {frame} of {length} bytes, over the limit of "
+                f"{MAX_JSON_FRAME} bytes for one; it begins {head!r}")
+        body = self._take(length)
+        try:
+            value = json.loads(body)
+        except ValueError as e:
+            raise ProtocolError(f"the daemon at {self._path} sent {frame} that is not JSON "
+                                f"({e}): {body[:200]!r}") from None
+        if not isinstance(value, dict):
+            raise ProtocolError(f"the daemon at {self._path} sent {frame} that is not a JSON "
+                                f"object: {body[:200]!r}")
+        return value
 
     def _read_batch(self, length):
         """Reads one BATCH body (``length`` bytes) and returns its samples."""

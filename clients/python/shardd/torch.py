@@ -18,6 +18,9 @@ shardd[torch]``). Everything here is a thin layer over ``shardd.Client.stream``:
   torchdata's ``StatefulDataLoader`` calls in each worker) carry a stream's position; a
   loaded state reopens the stream with ``start=position``. For the plain DataLoader,
   ``skip(batches, batch_size)`` resumes after a number of batches (docs/pytorch.md).
+- **Daemon restarts.** The client's streams reconnect and resume at their position when the
+  daemon restarts (``reconnect_timeout``, default 300 s; proto/PROTOCOL.md, "Reconnecting"),
+  so a worker's stream survives a restart without the trainer seeing it.
 - **Samples** are the client's: webdataset-shaped dicts (``__key__``, ``__url__``, field ->
   bytes); ``compose(*stages)`` applies webdataset pipeline stages inside the worker.
 """
@@ -29,11 +32,22 @@ import weakref
 import torch
 import torch.utils.data
 
-from .client import _LIVE, Client, DaemonError, ForkedStreamError, ProtocolError
+from .client import (
+    _LIVE,
+    RECONNECT_TIMEOUT,
+    Client,
+    DaemonError,
+    ForkedStreamError,
+    PlanChangedError,
+    PlanMismatch,
+    ProtocolError,
+    UnavailableError,
+)
 
 __all__ = [
     "ShardDataset",
     "PlanMismatch",
+    "PlanChangedError",
     "ForkedStreamError",
     "resume_epoch",
     "DEFAULT_SOCKET",
@@ -41,15 +55,6 @@ __all__ = [
 
 DEFAULT_SOCKET = "/run/shardd/shardd.sock"
 STATE_VERSION = 1
-
-
-class PlanMismatch(RuntimeError):
-    """The ranks of a job (or a checkpoint and the daemon) disagree on the plan of an epoch:
-    different data, seed, epoch, world size or daemon config. Reading on would hang a
-    synchronous job or repeat and skip samples."""
-
-    def __init__(self, message):  # ``message=``: a DataLoader re-raises it as itself
-        super().__init__(message)
 
 
 def _distributed():
@@ -60,14 +65,15 @@ def _distributed():
     return None
 
 
-def _open_stream(socket_path, timeout, dataset, **kw):
-    """``Client(socket_path).stream(dataset, **kw)``, naming the socket when nothing listens."""
+def _ask(client, op, dataset, **kw):
+    """``client.stream(dataset, **kw)`` (or ``plan``), saying what to do when no daemon
+    listens at the socket."""
     try:
-        return Client(socket_path, timeout).stream(dataset, **kw)
-    except (FileNotFoundError, ConnectionRefusedError) as e:
-        raise ConnectionError(
-            f"no shardd daemon at {socket_path} ({e.strerror}): start `shardd serve`, or pass "
-            f"ShardDataset(socket=...) or set SHARDD_SOCKET to its server.socket") from e
+        return getattr(client, op)(dataset, **kw)
+    except UnavailableError as e:
+        raise UnavailableError(
+            f"{e}: start `shardd serve`, or pass ShardDataset(socket=...) or set SHARDD_SOCKET "
+            f"to its server.socket", e.retry, e.reason) from e
 
 
 def _worker():
@@ -127,9 +133,8 @@ class _ShardIterator:
     """The iterator ``ShardDataset.__iter__`` makes: opens its stream on the first ``next``.
     It holds no reference to itself (no cycle), so dropping it closes the stream at once."""
 
-    def __init__(self, socket_path, timeout, cursor, past_end_is_empty):
-        self._socket = socket_path
-        self._timeout = timeout
+    def __init__(self, client, cursor, past_end_is_empty):
+        self._client = client
         self._cursor = cursor
         self._past_end_is_empty = past_end_is_empty
         self._next = _exhausted if cursor.ended else None
@@ -159,8 +164,8 @@ class _ShardIterator:
         c = self._cursor
         f = c.fields
         try:
-            stream = _open_stream(
-                self._socket, self._timeout, f["dataset"], epoch=f["epoch"], rank=f["rank"],
+            stream = _ask(
+                self._client, "stream", f["dataset"], epoch=f["epoch"], rank=f["rank"],
                 world_size=f["world_size"], seed=f["seed"], worker=f["worker"],
                 num_workers=f["num_workers"], start=c.start)
         except DaemonError as e:
@@ -171,11 +176,12 @@ class _ShardIterator:
             raise
         if c.fingerprint and stream.fingerprint != c.fingerprint:
             stream.close()
-            raise PlanMismatch(
+            raise PlanChangedError(
                 f"cannot resume epoch {f['epoch']} of dataset {f['dataset']!r} exactly: the "
                 f"state was saved on plan {c.fingerprint}, the daemon now plans "
                 f"{stream.fingerprint} (the shards, manifest, host count or dataset settings "
-                f"changed, or the trainer runs another seed or world size)")
+                f"changed, or the trainer runs another seed or world size)",
+                c.fingerprint, stream.fingerprint)
         if self._past_end_is_empty and f["num_workers"] > 1 and stream.samples is None:
             stream.close()
             raise ValueError(
@@ -214,6 +220,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
     job's processes (default: ``torch.distributed``'s when initialised, else 0 and 1).
     ``seed``: the run's seed, the same on every rank. ``epoch``: the first epoch
     (``set_epoch`` changes it). ``timeout``: the socket timeout in seconds (None: block).
+    ``reconnect_timeout``: how long a stream waits for a daemon that went away (restarted,
+    killed) before it raises, in seconds; it then resumes at its position (0: raise at once).
     ``check_plan``: let ``set_epoch`` compare the plan fingerprints of all ranks when
     ``torch.distributed`` is initialised and the dataset spans its whole world: True (over
     the default process group), False, or the process group to use (e.g. a gloo group when
@@ -224,12 +232,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
-                 timeout=None, check_plan=True):
+                 timeout=None, check_plan=True, reconnect_timeout=RECONNECT_TIMEOUT):
         super().__init__()
         self.dataset = str(dataset)
         self.socket = str(socket or os.environ.get("SHARDD_SOCKET") or DEFAULT_SOCKET)
         self.seed = int(seed)
         self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
         self.check_plan = check_plan
         self._rank = None if rank is None else int(rank)
         self._world_size = None if world_size is None else int(world_size)
@@ -286,14 +295,16 @@ class ShardDataset(torch.utils.data.IterableDataset):
         dist = _distributed()
         return dist is not None and self.world_size == dist.get_world_size(self._group()) > 1
 
+    def _client(self):
+        return Client(self.socket, self.timeout, self.reconnect_timeout)
+
     def _probe(self, num_workers=1):
-        """Opens and closes the stream of (this rank, worker 0 of ``num_workers``) for the
-        current epoch: its START tells the stream length and the plan fingerprint."""
-        s = _open_stream(self.socket, self.timeout, self.dataset, epoch=self.epoch,
-                         rank=self.rank, world_size=self.world_size, seed=self.seed, worker=0,
-                         num_workers=max(1, int(num_workers)))
-        s.close()
-        return s
+        """The START of the stream of (this rank, worker 0 of ``num_workers``) for the current
+        epoch, as a dict (its ``samples`` and ``fingerprint``): a plan request, so the daemon
+        registers no schedule for it (a probe stream's would linger and skew its prefetching)."""
+        return _ask(self._client(), "plan", self.dataset, epoch=self.epoch, rank=self.rank,
+                    world_size=self.world_size, seed=self.seed, worker=0,
+                    num_workers=max(1, int(num_workers)))
 
     def verify_plan(self):
         """Checks, with one ``all_gather_object``, that every rank of the job gets the same
@@ -304,7 +315,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         calls it when torch.distributed is initialised and the dataset spans its world."""
         epoch = self.epoch
         try:
-            fingerprint, error = self._probe().fingerprint, None
+            fingerprint, error = self._probe()["fingerprint"], None
         except Exception as e:  # every rank must reach the all-gather
             fingerprint, error = None, f"{type(e).__name__}: {e}"
         dist, group = _distributed(), self._group()
@@ -347,7 +358,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         on every rank, when the dataset has a manifest; None without one. One round trip to
         the daemon (which is why this is not ``__len__``)."""
         k = max(1, int(num_workers))
-        n = self._probe(k).samples
+        n = self._probe(k)["samples"]
         if n is None:
             return None
         if batch_size is None:
@@ -383,7 +394,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
             cursor.start = cursor.position = resume["position"]
             cursor.ended = True
         self._cursor = cursor
-        it = _ShardIterator(self.socket, self.timeout, cursor, past_end_is_empty)
+        it = _ShardIterator(self._client(), cursor, past_end_is_empty)
         source = it
         for stage in self._stages:
             source = stage(source)
