@@ -58,7 +58,7 @@ def test_thousands_of_connections_each_read_busy(make_daemon, fake_gcs, shard_di
     def attempt(n):
         for _ in range(n):
             try:
-                with shardd.Client(d.socket) as c:
+                with shardd.Client(d.socket, reconnect_timeout=0) as c:  # busy raised, not waited out
                     c.stream("train", epoch=0, rank=0, world_size=1)
                 outcome = "served"
             except shardd.DaemonError as e:

@@ -179,7 +179,7 @@ def test_sigterm_during_streams_and_downloads(make_daemon, fake_gcs, cutting_pro
 
     slow = cutting_proxy(rate=20 << 20)  # 8 MB shards: each download takes ~0.4 s
     d = make_daemon(gcs_config(slow.endpoint, extra="[store]\nmax_downloads = 1\n"))
-    with shardd.Client(d.socket) as c:
+    with shardd.Client(d.socket, reconnect_timeout=0) as c:  # shutdown raised, not waited out
         stream = c.stream("big", epoch=0, rank=0, world_size=1)
         next(stream)
         wait_for(lambda: d.metric("shardd_downloads_active") >= 1, "a download in flight")
