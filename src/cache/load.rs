@@ -1,0 +1,341 @@
+//! Loads: single flight per shard (one task per load, which others wait on), recheck of an
+//! existing entry, and a fetch from the source: reserve, read, verify, decompress, commit.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+
+use super::budget::Reservation;
+use super::disk::{self, META_MAX, Meta};
+use super::{FetchError, Inner, LoadResult, Purpose, Ready, Slot, State};
+use crate::store::{ReadError, Version};
+use crate::url::ShardUrl;
+
+/// Removes a `Loading` slot whose load ended without filling it (error, panic, shutdown).
+/// (Only until the load has written its outcome: after that the slot may already hold
+/// another load, which is not this guard's to remove.)
+struct LoadingGuard {
+    inner: Arc<Inner>,
+    url: String,
+    armed: bool,
+}
+
+impl Drop for LoadingGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut st = self.inner.state.lock().unwrap();
+            if let Some(Slot::Loading(_)) = st.slots.get(&self.url) {
+                st.slots.remove(&self.url);
+            }
+        }
+        self.inner.events.notify_one();
+    }
+}
+
+impl Inner {
+    /// Whether a ready entry may be served as it is: verified, and checked against its
+    /// source recently enough.
+    pub(super) fn usable(&self, r: &Ready) -> bool {
+        r.verified
+            && r.checked
+                .is_some_and(|at| at.elapsed() < self.limits.revalidate)
+    }
+
+    /// Starts loading a shard (the caller holds the state lock and found no usable entry):
+    /// a task of its own, so that it finishes for the others even if the stream that
+    /// started it goes away.
+    pub(super) fn start_load(
+        self: &Arc<Self>,
+        st: &mut State,
+        shard: &ShardUrl,
+        purpose: Purpose,
+    ) -> Shared<BoxFuture<'static, LoadResult>> {
+        // A stale or unverified entry is taken out to be checked (never a pinned one).
+        let old = match st.slots.remove(shard.as_str()) {
+            Some(Slot::Ready(r)) => Some(r),
+            _ => None,
+        };
+        let inner = self.clone();
+        let url = shard.clone();
+        let guard = LoadingGuard {
+            inner: self.clone(),
+            url: shard.as_str().to_string(),
+            armed: true,
+        };
+        let task = tokio::spawn(async move {
+            let mut guard = guard;
+            let result = inner.load(&url, old, purpose).await;
+            let mut st = inner.state.lock().unwrap();
+            guard.armed = false;
+            let result = match result {
+                Ok((ready, fetched)) => {
+                    st.slots
+                        .insert(url.as_str().to_string(), Slot::Ready(ready));
+                    // A new unpinned entry is something a waiting reservation may evict.
+                    inner.space.notify_waiters();
+                    Ok(fetched)
+                }
+                Err(e) => {
+                    st.slots.remove(url.as_str());
+                    Err(Arc::new(e))
+                }
+            };
+            inner.publish(&st);
+            result
+        });
+        let what = shard.to_string();
+        let load = async move {
+            task.await.unwrap_or_else(|e| {
+                Err(Arc::new(FetchError::Internal {
+                    url: what,
+                    what: e.to_string(),
+                }))
+            })
+        }
+        .boxed()
+        .shared();
+        st.slots
+            .insert(shard.as_str().to_string(), Slot::Loading(load.clone()));
+        load
+    }
+
+    /// Checks an existing entry, or fetches the shard.
+    pub(super) async fn load(
+        self: &Arc<Self>,
+        shard: &ShardUrl,
+        old: Option<Ready>,
+        purpose: Purpose,
+    ) -> Result<(Ready, u64), FetchError> {
+        if let Some(mut old) = old {
+            match self.recheck(shard, &mut old).await {
+                Ok(true) => return Ok((old, 0)),
+                Ok(false) => self.forget(old.entry).await,
+                Err(e) => {
+                    self.forget(old.entry).await;
+                    return Err(e);
+                }
+            }
+        }
+        let ready = self.fetch(shard, purpose).await?;
+        let fetched = ready.entry.meta.version.size;
+        if purpose != Purpose::Demand {
+            self.metrics.cache_prefetched_bytes_total.inc_by(fetched);
+        }
+        Ok((ready, fetched))
+    }
+
+    /// Whether an existing entry can go on being served: its bytes match their checksum
+    /// (checked once per daemon run) and its source has not changed.
+    pub(super) async fn recheck(
+        &self,
+        shard: &ShardUrl,
+        r: &mut Ready,
+    ) -> Result<bool, FetchError> {
+        if !r.verified {
+            let path = r.entry.path.clone();
+            let sums = tokio::task::spawn_blocking(move || disk::checksums(&path, false))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+            match sums {
+                Ok((crc, _)) if crc == r.entry.meta.crc32c => r.verified = true,
+                Ok((crc, _)) => {
+                    self.metrics.cache_verify_failures_total.inc();
+                    tracing::warn!(url = %shard, want = r.entry.meta.crc32c, got = crc, "cache entry corrupted on disk: fetching it again");
+                    return Ok(false);
+                }
+                Err(e) => {
+                    tracing::warn!(url = %shard, error = %e, "cache entry unreadable: fetching it again");
+                    return Ok(false);
+                }
+            }
+        }
+        if self.usable(r) {
+            return Ok(true);
+        }
+        match self.stores.version(shard).await {
+            Ok(v) if v == r.entry.meta.version => {
+                r.checked = Some(Instant::now());
+                Ok(true)
+            }
+            Ok(_) => {
+                tracing::info!(url = %shard, "the source changed: fetching it again");
+                Ok(false)
+            }
+            Err(e @ ReadError::NotFound { .. }) => Err(e.into()),
+            Err(e) => {
+                // The bytes are verified and were current when last seen: better served
+                // than a stream failed because the store is briefly unreachable.
+                tracing::warn!(url = %shard, error = %e, "could not check the source; serving the cached copy");
+                r.checked = Some(Instant::now());
+                Ok(true)
+            }
+        }
+    }
+
+    /// Reads a shard from its source into a new entry: HEAD (or stat), reserve, read,
+    /// verify, decompress if gzipped, commit. A checksum mismatch, or a source that changed
+    /// mid-read, is tried once more.
+    pub(super) async fn fetch(
+        self: &Arc<Self>,
+        shard: &ShardUrl,
+        purpose: Purpose,
+    ) -> Result<Ready, FetchError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let version = self.stores.version(shard).await?;
+            let need = version.size + META_MAX;
+            if need > self.limits.max_bytes {
+                return Err(FetchError::TooLarge {
+                    url: shard.to_string(),
+                    size: version.size,
+                    limit: self.limits.max_bytes,
+                });
+            }
+            let reservation = self.reserve(shard, need, purpose).await?;
+            let (temp, file) = {
+                let inner = self.clone();
+                tokio::task::spawn_blocking(move || inner.disk.temp_file())
+                    .await
+                    .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+                    .map_err(FetchError::io(shard, "creating a cache file"))?
+            };
+            let read = self.stores.read_into(shard, &version, file).await;
+            let result = match read {
+                Ok(()) => {
+                    let (inner, url, version) = (self.clone(), shard.clone(), version.clone());
+                    tokio::task::spawn_blocking(move || {
+                        inner.finish(&url, version, temp, reservation)
+                    })
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(FetchError::Internal {
+                            url: shard.to_string(),
+                            what: e.to_string(),
+                        })
+                    })
+                }
+                Err(e) => {
+                    // Unlinking is file I/O: not on a runtime thread.
+                    let _ = tokio::task::spawn_blocking(move || drop(temp)).await;
+                    Err(e.into())
+                }
+            };
+            match result {
+                Err(FetchError::Verify { .. } | FetchError::Read(ReadError::Changed { .. }))
+                    if attempt == 1 =>
+                {
+                    tracing::warn!(url = %shard, error = %result.err().unwrap(), "fetching once more");
+                }
+                result => return result,
+            }
+        }
+    }
+
+    /// Verifies a completed read, decompresses it if it is gzip, and commits it. Blocking.
+    pub(super) fn finish(
+        self: &Arc<Self>,
+        shard: &ShardUrl,
+        version: Version,
+        temp: disk::TempFile,
+        mut reservation: Reservation,
+    ) -> Result<Ready, FetchError> {
+        let want_md5 = version.md5();
+        let (crc, md5) = disk::checksums(temp.path(), want_md5.is_some())
+            .map_err(FetchError::io(shard, "reading back the download"))?;
+        if want_md5 != md5 {
+            self.metrics.cache_verify_failures_total.inc();
+            return Err(FetchError::Verify {
+                url: shard.to_string(),
+                what: format!(
+                    "the store says MD5 {}, the {} bytes received hash to {}",
+                    want_md5.unwrap_or_default(),
+                    version.size,
+                    md5.unwrap_or_default()
+                ),
+            });
+        }
+        let gzip = disk::is_gzip(temp.path())
+            .map_err(FetchError::io(shard, "reading back the download"))?;
+        let (data, size, crc) = if gzip {
+            let (plain, size, crc) = self.gunzip(shard, &temp, &mut reservation)?;
+            drop(temp);
+            reservation.shrink_to(size + META_MAX);
+            (plain, size, crc)
+        } else {
+            (temp, version.size, crc)
+        };
+        let meta = Meta {
+            format: 1,
+            url: shard.to_string(),
+            version,
+            data: String::new(),
+            size,
+            crc32c: crc,
+            gzip,
+        };
+        let meta = self
+            .disk
+            .commit(data, meta)
+            .map_err(FetchError::io(shard, "committing the cache entry"))?;
+        let charge = size + META_MAX;
+        reservation.shrink_to(charge);
+        reservation.bytes = 0; // its bytes are the entry's charge now
+        let mut st = self.state.lock().unwrap();
+        st.resident += charge;
+        st.tick += 1;
+        let last_used = st.tick;
+        drop(st);
+        let now = Some(Instant::now());
+        Ok(Ready::new(&self.disk, meta, charge, true, now, last_used))
+    }
+
+    /// Decompresses a gzipped download into a second cache file, reserving its space as it
+    /// grows (from what is left of the budget, evicting entries nobody is reading), so a
+    /// gzip bomb stops at the budget. Returns the file, its size and CRC-32C. Blocking.
+    pub(super) fn gunzip(
+        self: &Arc<Self>,
+        shard: &ShardUrl,
+        compressed: &disk::TempFile,
+        reservation: &mut Reservation,
+    ) -> Result<(disk::TempFile, u64, u32), FetchError> {
+        use std::io::{Read, Write};
+        const STEP: u64 = 1 << 20;
+        let io = |what| FetchError::io(shard, what);
+        let (plain, file) = self.disk.temp_file().map_err(io("creating a cache file"))?;
+        let input =
+            std::fs::File::open(compressed.path()).map_err(io("reading back the download"))?;
+        let mut decoder = flate2::read::MultiGzDecoder::new(std::io::BufReader::new(input));
+        let mut out = std::io::BufWriter::new(file);
+        let base = reservation.bytes;
+        let (mut size, mut crc) = (0u64, 0u32);
+        let mut buf = vec![0u8; 256 << 10];
+        loop {
+            let n = decoder
+                .read(&mut buf)
+                .map_err(io("decompressing the gzip shard"))?;
+            if n == 0 {
+                break;
+            }
+            size += n as u64;
+            while base + size > reservation.bytes {
+                if !self.grow_now(reservation, STEP) {
+                    let st = self.state.lock().unwrap();
+                    return Err(FetchError::GzipTooLarge {
+                        url: shard.to_string(),
+                        limit: self.limits.max_bytes,
+                        free: reservation.bytes - base
+                            + self.limits.max_bytes.saturating_sub(st.charged),
+                    });
+                }
+            }
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            out.write_all(&buf[..n])
+                .map_err(io("writing to the cache"))?;
+        }
+        out.flush().map_err(io("writing to the cache"))?;
+        Ok((plain, size, crc))
+    }
+}
