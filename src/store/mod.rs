@@ -99,24 +99,6 @@ pub struct Version {
     pub generation: Option<String>,
 }
 
-impl Version {
-    /// The content MD5 the ETag claims to be, in hex (interim, for the cache's own check).
-    pub fn md5(&self) -> Option<String> {
-        use base64::Engine;
-        let tag = self
-            .e_tag
-            .as_deref()?
-            .trim_start_matches("W/")
-            .trim_matches('"');
-        if tag.len() == 32 && tag.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Some(tag.to_ascii_lowercase());
-        }
-        let raw = base64::engine::general_purpose::STANDARD.decode(tag).ok()?;
-        (tag.len() == 24 && raw.len() == 16)
-            .then(|| raw.iter().map(|b| format!("{b:02x}")).collect())
-    }
-}
-
 /// Where a shard's bytes come from, resolved once per operation.
 enum Source<'a> {
     Object {
@@ -247,21 +229,8 @@ impl Stores {
     }
 
     /// Reads exactly `version` of the shard into `file` (empty, owned by the cache) and
-    /// checks it against what its source vouches for ([`verify`]). (Interim: the cache still
-    /// reads the file back for its own checks until it takes the [`Fetched`] of
-    /// [`Stores::fetch_into`].)
-    pub async fn read_into(
-        &self,
-        shard: &ShardUrl,
-        version: &Version,
-        file: std::fs::File,
-    ) -> Result<(), ReadError> {
-        self.fetch_into(shard, version, file).await.map(|_| ())
-    }
-
-    /// Reads exactly `version` of the shard into `file` (empty, owned by the cache) and
     /// checks it against what its source vouches for ([`verify`]).
-    pub async fn fetch_into(
+    pub async fn read_into(
         &self,
         shard: &ShardUrl,
         version: &Version,

@@ -151,3 +151,106 @@ impl Stores {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn stores(verify: &str) -> Stores {
+        let text = format!("[store]\nverify = \"{verify}\"\n[datasets.d]\nshards = \"/d/a.tar\"");
+        let config = Config::parse(&text, std::path::Path::new("/")).unwrap();
+        Stores::from_config(&config, Default::default()).unwrap()
+    }
+
+    fn url() -> ShardUrl {
+        ShardUrl::parse("gs://b/a.tar", std::path::Path::new("/")).unwrap()
+    }
+
+    fn version(tag: &str) -> Version {
+        Version {
+            size: 9,
+            e_tag: Some(tag.into()),
+            generation: None,
+        }
+    }
+
+    const CRC: u32 = 0xE306_9283; // of "123456789"
+
+    fn received(crc32c: u32, md5: Option<[u8; 16]>) -> Received {
+        Received { crc32c, md5 }
+    }
+
+    fn reported(crc32c: Option<u32>, md5: Option<[u8; 16]>) -> Option<Reported> {
+        Some(Reported { crc32c, md5 })
+    }
+
+    #[test]
+    fn the_strongest_checksum_there_is_decides() {
+        let s = stores("auto");
+        let (u, v) = (url(), version("x"));
+        let check = |rec, rep, local| s.verify(&u, &v, rec, rep, local).map(|f| f.checked);
+        let by_store = check(received(CRC, None), reported(Some(CRC), None), false);
+        assert_eq!(by_store.unwrap(), Checked::StoreCrc32c);
+        let e = check(received(CRC ^ 1, None), reported(Some(CRC), None), false);
+        assert_eq!(
+            e.unwrap_err().to_string(),
+            "gs://b/a.tar: checksum mismatch: the store says CRC-32C 4waSgw==, the 9 bytes received have CRC-32C 4waSgg=="
+        );
+        let md5 = Some([7u8; 16]);
+        let by_md5 = check(received(CRC, md5), reported(None, md5), false);
+        assert_eq!(by_md5.unwrap(), Checked::StoreMd5);
+        let e = check(received(CRC, Some([8u8; 16])), reported(None, md5), false);
+        assert!(e.unwrap_err().to_string().ends_with(
+            "the store says MD5 07070707070707070707070707070707, the 9 bytes received hash to 08080808080808080808080808080808"
+        ));
+        assert_eq!(
+            check(received(CRC, None), None, false).unwrap(),
+            Checked::Size
+        );
+        assert_eq!(
+            check(received(CRC, None), None, true).unwrap(),
+            Checked::Local
+        );
+
+        // A manifest's CRC-32C, for this version only.
+        s.know_crc32c([("gs://b/a.tar", &v, CRC)]);
+        assert_eq!(
+            check(received(CRC, None), None, false).unwrap(),
+            Checked::ManifestCrc32c
+        );
+        let e = check(received(CRC ^ 1, None), None, true).unwrap_err();
+        assert!(
+            e.to_string().contains("the manifest says CRC-32C 4waSgw=="),
+            "{e}"
+        );
+        let other = version("y");
+        let stale = s.verify(&u, &other, received(CRC ^ 1, None), None, false);
+        assert_eq!(stale.unwrap().checked, Checked::Size);
+    }
+
+    #[test]
+    fn checksum_requires_one_and_size_checks_none() {
+        let (u, v) = (url(), version("x"));
+        let strict = stores("checksum");
+        let e = strict.verify(&u, &v, received(CRC, None), None, false);
+        assert!(matches!(e, Err(ReadError::Unverified { .. })));
+        assert!(
+            strict
+                .verify(&u, &v, received(CRC, None), None, true)
+                .is_ok()
+        );
+        let size = stores("size");
+        let lying = size.verify(
+            &u,
+            &v,
+            received(CRC ^ 1, None),
+            reported(Some(CRC), None),
+            false,
+        );
+        assert_eq!(lying.unwrap().checked, Checked::Size);
+        assert!(!size.wants_md5(&u, &v, reported(None, Some([7u8; 16])).as_ref()));
+        assert!(strict.wants_md5(&u, &v, reported(None, Some([7u8; 16])).as_ref()));
+        assert!(!strict.wants_md5(&u, &v, reported(Some(CRC), Some([7u8; 16])).as_ref()));
+    }
+}
