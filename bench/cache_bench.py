@@ -14,7 +14,9 @@ under bench/data/cache_bench/ (kept; --data to move it).
    time is stall, and a stall delays the schedule (no catching up). Per epoch: time to first
    sample (epoch 0: cold daemon, empty cache), object-store GETs and bytes during the epoch,
    stall fraction over the epoch and over the first second after its start (epochs > 0), and
-   over the whole run, with and without the time before the first sample arrived.
+   over the whole run, with and without the time before the first sample arrived; the
+   daemon's CPU seconds per GB served in each epoch (epoch 0: downloads, verification and
+   cache writes included) and over the run.
 
 2. One big object. A one-shard dataset of --big-mb MB, streamed in full by a cold daemon as
    fast as the client reads, twice: one GET per shard (store.part_size larger than the
@@ -304,6 +306,7 @@ def run_epochs(store, daemon, epochs, rate):
     due = None  # when the consumer is ready for its next sample
     for epoch in range(epochs):
         waited_before = daemon.metric("shardd_stream_wait_seconds_total")
+        cpu_before = daemon.cpu_seconds()
         opened = time.monotonic()
         due = opened if due is None else max(due, opened)
         stream = client.stream("train", epoch=epoch, rank=0, world_size=1, seed=0)
@@ -336,6 +339,7 @@ def run_epochs(store, daemon, epochs, rate):
             "gets": after["requests"].get("GET", 0) - before["requests"].get("GET", 0),
             "store_bytes": after["body_bytes"] - before["body_bytes"],
             "daemon_wait": daemon.metric("shardd_stream_wait_seconds_total") - waited_before,
+            "cpu": daemon.cpu_seconds() - cpu_before,
         })
         before = after
         print(f"epoch {epoch}: {samples} samples in {ended - opened:.1f}s", flush=True)
@@ -345,7 +349,8 @@ def run_epochs(store, daemon, epochs, rate):
 def report_epochs(results, stalls, startup, dataset_bytes, rate):
     """The per-epoch table and the overall stall figures, as lines."""
     out = [f"{'epoch':>5} {'samples':>7} {'MB':>6} {'secs':>6} {'1st sample':>10} {'GETs':>5} "
-           f"{'store MB':>8} {'store/data':>10} {'stall':>6} {'stall 1st s':>11} {'lost':>5} {'daemon wait':>11}"]
+           f"{'store MB':>8} {'store/data':>10} {'stall':>6} {'stall 1st s':>11} {'lost':>5} {'daemon wait':>11} "
+           f"{'CPU s/GB':>8}"]
     for e, r in enumerate(results):
         secs = r["ended"] - r["opened"]
         stall = overlap(stalls, r["opened"], r["ended"]) / secs
@@ -359,7 +364,7 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
         out.append(f"{e:>5} {r['samples']:>7} {r['bytes'] / MB:>6.0f} {secs:>6.1f} {ttfs:>10} {r['gets']:>5} "
                    f"{r['store_bytes'] / MB:>8.1f} {r['store_bytes'] / dataset_bytes:>9.2f}x "
                    f"{100 * stall:>5.1f}% {first_second:>11} {100 * lost:>4.0f}% "
-                   f"{100 * r['daemon_wait'] / secs:>10.2f}%")
+                   f"{100 * r['daemon_wait'] / secs:>10.2f}% {r['cpu'] / (r['bytes'] / 1e9):>8.2f}")
     start, end = results[0]["opened"], results[-1]["ended"]
     warm_from = results[0]["first"] or start
     total = overlap(stalls, start, end) / (end - start)
@@ -372,6 +377,8 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
     out.append("(daemon wait: time the stream waited inside the daemon for shard data, from "
                "shardd_stream_wait_seconds_total; the rest of the stall is the client receiving "
                "and decoding batches.)")
+    out.append("(CPU s/GB: the daemon's user + system CPU during the epoch per GB served; epoch 0 "
+               "includes every download, its verification and the cache writes.)")
     return out
 
 

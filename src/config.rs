@@ -133,8 +133,11 @@ pub struct StoreSection {
     pub connect_timeout: String,
     pub read_timeout: String,
     pub retries: usize,
+    pub retry_timeout: String,
+    pub credentials_timeout: String,
     pub part_size: String,
     pub parts_in_flight: usize,
+    pub verify: String,
 }
 
 impl Default for StoreSection {
@@ -144,8 +147,11 @@ impl Default for StoreSection {
             connect_timeout: "10s".into(),
             read_timeout: "60s".into(),
             retries: 10,
+            retry_timeout: "3m".into(),
+            credentials_timeout: "10s".into(),
             part_size: "64MiB".into(),
             parts_in_flight: 4,
+            verify: "auto".into(),
         }
     }
 }
@@ -154,6 +160,8 @@ impl Default for StoreSection {
 #[serde(deny_unknown_fields, default)]
 pub struct GcsSection {
     pub endpoint: Option<String>,
+    /// A service-account key file (relative paths: to the config file's directory).
+    pub credentials: Option<PathBuf>,
     pub anonymous: bool,
     /// A plain-http endpoint that is not loopback is refused unless this says so.
     pub allow_http: bool,
@@ -223,11 +231,28 @@ pub struct Config {
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
     pub retries: usize,
+    /// How long one request may be retried, from its first attempt.
+    pub retry_timeout: Duration,
+    /// How long a store may take to produce its credentials when asked at start.
+    pub credentials_timeout: Duration,
     pub part_size: u64,
     pub parts_in_flight: usize,
+    pub verify: Verify,
     pub gcs: Option<GcsSection>,
     pub s3: Option<S3Section>,
     pub datasets: BTreeMap<String, Dataset>,
+}
+
+/// How a download is checked against its source (`store.verify`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verify {
+    /// The strongest check the source allows: a CRC-32C the store or the manifest gives, else
+    /// an MD5 the store vouches for, else the size.
+    Auto,
+    /// The size only (and the ETag pin): for stores whose checksums are known to be wrong.
+    Size,
+    /// A checksum is required: a download with none to check against fails.
+    Checksum,
 }
 
 /// Which of `host.index` and `host.count` are `"auto"`.
@@ -376,9 +401,29 @@ impl FileConfig {
         }
         let connect_timeout = parse_timeout(&self.store.connect_timeout, "store.connect_timeout")?;
         let read_timeout = parse_timeout(&self.store.read_timeout, "store.read_timeout")?;
+        let retry_timeout = parse_timeout(&self.store.retry_timeout, "store.retry_timeout")?;
+        let credentials_timeout =
+            parse_timeout(&self.store.credentials_timeout, "store.credentials_timeout")?;
+        let verify = match self.store.verify.as_str() {
+            "auto" => Verify::Auto,
+            "size" => Verify::Size,
+            "checksum" => Verify::Checksum,
+            other => {
+                return Err(invalid(format!(
+                    "store.verify {other:?} is none of \"auto\", \"size\", \"checksum\""
+                )));
+            }
+        };
 
-        if let Some(g) = &self.gcs {
+        let mut gcs = self.gcs;
+        if let Some(g) = &mut gcs {
             check_endpoint(g.endpoint.as_deref(), g.allow_http, "gcs")?;
+            if g.anonymous && g.credentials.is_some() {
+                return Err(invalid(
+                    "gcs.credentials and gcs.anonymous = true contradict each other: choose one",
+                ));
+            }
+            g.credentials = g.credentials.as_ref().map(|p| base_dir.join(p));
         }
         if let Some(s) = &self.s3 {
             check_endpoint(s.endpoint.as_deref(), s.allow_http, "s3")?;
@@ -411,9 +456,12 @@ impl FileConfig {
             connect_timeout,
             read_timeout,
             retries: self.store.retries,
+            retry_timeout,
+            credentials_timeout,
             part_size,
             parts_in_flight: self.store.parts_in_flight,
-            gcs: self.gcs,
+            verify,
+            gcs,
             s3: self.s3,
             datasets,
         })
@@ -632,8 +680,12 @@ mod tests {
             .join("\n");
         let full = Config::parse(&uncommented, Path::new("/etc/shardd")).unwrap();
         assert_eq!(
-            full.gcs.unwrap().endpoint.as_deref(),
+            full.gcs.as_ref().unwrap().endpoint.as_deref(),
             Some("http://127.0.0.1:4443")
+        );
+        assert_eq!(
+            full.gcs.as_ref().unwrap().credentials.as_deref(),
+            Some(Path::new("/etc/shardd/gcs-key.json"))
         );
         assert_eq!(full.s3.unwrap().region.as_deref(), Some("us-east-1"));
     }
@@ -657,6 +709,19 @@ mod tests {
             ),
             ("[server]\nsocket_mode = \"0999\"", "server.socket_mode"),
             ("[store]\nread_timeout = \"soon\"", "store.read_timeout"),
+            (
+                "[store]\nverify = \"md5\"",
+                "store.verify \"md5\" is none of \"auto\", \"size\", \"checksum\"",
+            ),
+            ("[store]\nretry_timeout = \"0s\"", "store.retry_timeout"),
+            (
+                "[store]\ncredentials_timeout = \"x\"",
+                "store.credentials_timeout",
+            ),
+            (
+                "[gcs]\ncredentials = \"k.json\"\nanonymous = true",
+                "gcs.credentials and gcs.anonymous = true contradict each other",
+            ),
         ] {
             let text = format!("{MINIMAL}\n{extra}\n");
             let err = Config::parse(&text, Path::new("."))

@@ -36,6 +36,8 @@ pub enum StartError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Credentials(#[from] crate::store::CredentialsError),
     #[error("cannot listen on server.metrics_addr {addr}: {source}")]
     Metrics {
         addr: String,
@@ -105,6 +107,7 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
             l,
             metrics.clone(),
             board.clone(),
+            cache.stores().clone(),
             shutdown.clone(),
         ))
     });
@@ -161,13 +164,15 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
     Ok(())
 }
 
-/// Builds the stores and opens (and locks) the cache directory.
+/// Builds the stores, makes sure each can get its credentials (one line within seconds if
+/// not, rather than a failure per shard later), and opens (and locks) the cache directory.
 pub async fn open_cache(
     config: &Config,
     metrics: Arc<Metrics>,
     plans: Arc<Plans>,
 ) -> Result<Cache, StartError> {
     let stores = Arc::new(Stores::from_config(config, metrics.clone())?);
+    stores.check_credentials().await?;
     let limits = Limits {
         max_bytes: config.cache_max_bytes,
         space_timeout: config.space_timeout,
@@ -203,6 +208,12 @@ pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), 
             .await
             .map_err(failed)?;
         dataset.set_counts(counts.into());
+        stores.know_crc32c(
+            manifest
+                .shards
+                .iter()
+                .map(|e| (e.url.as_str(), &e.version, e.crc32c)),
+        );
         let share: Vec<_> = crate::plan::warm_shards(dataset.shape(), host)
             .into_iter()
             .map(|i| dataset.shards[i].clone())

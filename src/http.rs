@@ -1,6 +1,6 @@
 //! The HTTP side (axum): `/metrics` (Prometheus text format), `/healthz` (the process is up),
-//! `/readyz` (the cache directory is usable and every dataset's store answers: checked for
-//! real, at most every few seconds) and `/status` (JSON: the datasets, the cache, every open
+//! `/readyz` (every store can get its credentials, the cache directory is usable and every
+//! dataset's store answers: checked for real, at most every few seconds) and `/status` (JSON: the datasets, the cache, every open
 //! stream; `shardd status` prints it as a table).
 //!
 //! Every request is bounded (tower middleware): at most [`MAX_REQUESTS`] handled at once
@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::status::Board;
+use crate::store::Stores;
 
 /// Requests handled at once.
 pub const MAX_REQUESTS: usize = 32;
@@ -33,10 +34,11 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 struct Shared {
     metrics: Arc<Metrics>,
     board: Arc<Board>,
+    stores: Arc<Stores>,
     started: Instant,
 }
 
-pub fn router(metrics: Arc<Metrics>, board: Arc<Board>) -> Router {
+pub fn router(metrics: Arc<Metrics>, board: Arc<Board>, stores: Arc<Stores>) -> Router {
     let router = Router::new()
         .route("/metrics", get(render))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -45,6 +47,7 @@ pub fn router(metrics: Arc<Metrics>, board: Arc<Board>) -> Router {
         .with_state(Shared {
             metrics,
             board,
+            stores,
             started: Instant::now(),
         });
     bounded(router, REQUEST_TIMEOUT, MAX_REQUESTS)
@@ -75,8 +78,15 @@ async fn render(State(s): State<Shared>) -> impl IntoResponse {
     )
 }
 
+/// Credentials first: a store that lost them (a revoked key, a metadata server gone) says
+/// so in the answer's one line, instead of as a slow HEAD that times out. A cached token
+/// answers at once.
 async fn ready(State(s): State<Shared>) -> impl IntoResponse {
-    match s.board.ready().await {
+    let verdict = match s.stores.check_credentials().await {
+        Ok(()) => s.board.ready().await,
+        Err(e) => Err(e.to_string()),
+    };
+    match verdict {
         Ok(()) => (StatusCode::OK, "ready\n".to_string()),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -95,9 +105,10 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     board: Arc<Board>,
+    stores: Arc<Stores>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(metrics, board))
+    axum::serve(listener, router(metrics, board, stores))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
 }

@@ -43,6 +43,7 @@ pub async fn run(
     let dataset = &config.datasets["index"];
     let out = dataset.manifest.clone().expect("set above");
     let stores = Stores::from_config(&config, Arc::new(Metrics::new()))?;
+    stores.check_credentials().await?;
 
     let previous = match stores.read_whole(&out).await {
         Ok(text) => Manifest::parse(&text, out.as_str()).ok(),

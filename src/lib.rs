@@ -9,7 +9,7 @@
 //! | config | `config.rs` | TOML → validated runtime [`config::Config`] |
 //! | shard lists | `braces.rs` | `train-{000000..000639}.tar` → shard URLs |
 //! | shard URLs | `url.rs` | one shard's location, object names verbatim |
-//! | store | `store.rs` | reads a shard from its source: ranged parallel GETs, local copies |
+//! | store | `store/` | reads a shard from its source: credentials asked once, ranged parallel GETs checksummed as they land, verification, local copies |
 //! | cache | `cache/` | the host-level shard source: verified entries on disk, hard budget, pins, single flight, eviction |
 //! | prefetch | `prefetch.rs` | what to load next, from the plans of the open streams (and their next epoch) |
 //! | manifest | `manifest.rs` | per-shard sizes, ETags, checksums, sample counts (`shardd index`) |

@@ -119,9 +119,12 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     // The demo prints its own report; the daemon inside it only speaks up about problems.
+    // The one-shot commands leave out object_store's line per retry: their errors say what
+    // failed (SHARDD_LOG=info,object_store=info shows the retries).
     let default_level = match cli.command {
         Command::Demo => "warn",
-        _ => "info",
+        Command::Serve { .. } => "info",
+        _ => "info,object_store=warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SHARDD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
@@ -204,10 +207,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()> {
-    use futures::StreamExt;
     let config = Config::load(path)?;
     let stores = shardd::store::Stores::from_config(&config, Default::default())?;
     println!("{}: ok", path.display());
+    if reach_stores {
+        stores.check_credentials().await?;
+    }
     let mut missing_in_all = 0usize;
     for (name, d) in &config.datasets {
         println!(
@@ -217,48 +222,63 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
             d.shards[d.shards.len() - 1],
             d.shuffle_buffer
         );
-        if !reach_stores {
-            continue;
+        if reach_stores {
+            missing_in_all += check_shards(&stores, name, &d.shards, config.max_downloads).await;
         }
-        let stores = &stores;
-        let found: Vec<_> = futures::stream::iter(d.shards.iter().cloned())
-            .map(|s| async move { (stores.version(&s).await, s) })
-            .buffered(config.max_downloads)
-            .collect()
-            .await;
-        let (mut bytes, mut largest, mut missing) = (0u64, None, Vec::new());
-        for (version, shard) in found {
-            match version {
-                Ok(v) => {
-                    bytes += v.size;
-                    if largest.as_ref().is_none_or(|(n, _)| v.size > *n) {
-                        largest = Some((v.size, shard));
-                    }
-                }
-                Err(e) => missing.push(e.to_string()),
-            }
-        }
-        if let Some((size, shard)) = largest {
-            println!(
-                "dataset {name}: {bytes} bytes in the store; the largest shard is {shard} ({size} bytes)"
-            );
-        }
-        for m in missing.iter().take(10) {
-            println!("dataset {name}: {m}");
-        }
-        if !missing.is_empty() {
-            println!(
-                "dataset {name}: {} of {} shards cannot be read",
-                missing.len(),
-                d.shards.len()
-            );
-        }
-        missing_in_all += missing.len();
     }
     if missing_in_all > 0 {
         anyhow::bail!("{missing_in_all} shards cannot be read (listed above)");
     }
     Ok(())
+}
+
+/// Asks the store for every shard of a dataset (HEAD or stat, `parallel` at a time, with
+/// progress on stderr); prints the total, the largest shard and what cannot be read. Returns
+/// how many cannot be read.
+async fn check_shards(
+    stores: &shardd::store::Stores,
+    name: &str,
+    shards: &[shardd::url::ShardUrl],
+    parallel: usize,
+) -> usize {
+    use futures::StreamExt;
+    let mut progress = progress::Progress::counting(name, shards.len() as u64, "found");
+    let mut found = futures::stream::iter(shards.iter().cloned())
+        .map(|s| async move { (stores.version(&s).await, s) })
+        .buffered(parallel);
+    let (mut bytes, mut largest, mut missing) = (0u64, None, Vec::new());
+    while let Some((version, shard)) = found.next().await {
+        match version {
+            Ok(v) => {
+                progress.add(v.size);
+                bytes += v.size;
+                if largest.as_ref().is_none_or(|(n, _)| v.size > *n) {
+                    largest = Some((v.size, shard));
+                }
+            }
+            Err(e) => {
+                progress.add(0);
+                missing.push(e.to_string());
+            }
+        }
+    }
+    progress.finish();
+    if let Some((size, shard)) = largest {
+        println!(
+            "dataset {name}: {bytes} bytes in the store; the largest shard is {shard} ({size} bytes)"
+        );
+    }
+    for m in missing.iter().take(10) {
+        println!("dataset {name}: {m}");
+    }
+    if !missing.is_empty() {
+        println!(
+            "dataset {name}: {} of {} shards cannot be read",
+            missing.len(),
+            shards.len()
+        );
+    }
+    missing.len()
 }
 
 async fn status(url: &str) -> anyhow::Result<()> {

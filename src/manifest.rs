@@ -242,12 +242,12 @@ async fn index_one(
     let copy = file
         .try_clone()
         .map_err(|e| shard_error(shard, e.to_string()))?;
-    stores.read_into(shard, &version, copy).await?;
+    // Verified against what the store vouches for, and checksummed as it was written.
+    let crc32c = stores.read_into(shard, &version, copy).await?.crc32c;
     let url: Arc<str> = Arc::from(shard.as_str());
-    let counted = tokio::task::spawn_blocking(move || count(file, &url))
+    let samples = tokio::task::spawn_blocking(move || count(file, &url))
         .await
         .map_err(|e| shard_error(shard, e.to_string()))??;
-    let (crc32c, samples) = counted;
     let size = version.size;
     Ok((
         Entry {
@@ -260,15 +260,13 @@ async fn index_one(
     ))
 }
 
-/// CRC-32C of a shard's bytes and its sample count (a gzipped shard is counted
-/// decompressed). Blocking.
-fn count(mut file: std::fs::File, url: &Arc<str>) -> Result<(u32, u64), ManifestError> {
+/// A shard's sample count (a gzipped shard is counted decompressed). Blocking.
+fn count(mut file: std::fs::File, url: &Arc<str>) -> Result<u64, ManifestError> {
     use std::io::{Read, Seek};
     let err = |e: std::io::Error| shard_error_str(url, e.to_string());
     file.rewind().map_err(err)?;
     let mut raw = Vec::new();
     file.read_to_end(&mut raw).map_err(err)?;
-    let crc = crc32c::crc32c(&raw);
     let plain = if raw.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
         flate2::read::MultiGzDecoder::new(&raw[..])
@@ -281,7 +279,7 @@ fn count(mut file: std::fs::File, url: &Arc<str>) -> Result<(u32, u64), Manifest
     let samples = crate::shard::parse(&ShardBytes::heap(plain.into()), url)
         .map_err(|e| shard_error_str(url, e.to_string()))?
         .len() as u64;
-    Ok((crc, samples))
+    Ok(samples)
 }
 
 fn shard_error(shard: &ShardUrl, what: String) -> ManifestError {

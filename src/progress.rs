@@ -1,5 +1,5 @@
-//! Progress of a long command (`warm`, `index`): a bar on a terminal, a plain line every few
-//! seconds otherwise (a log file or CI).
+//! Progress of a long command (`warm`, `index`, `check`): a bar on a terminal, a plain line
+//! every few seconds otherwise (a log file or CI).
 
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
@@ -13,12 +13,19 @@ pub struct Progress {
     total: u64,
     done: u64,
     bytes: u64,
+    /// What the byte count is: "fetched", or "found" for `check`.
+    verb: &'static str,
     started: Instant,
     last_line: Instant,
 }
 
 impl Progress {
     pub fn new(name: &str, total: u64) -> Progress {
+        Progress::counting(name, total, "fetched")
+    }
+
+    /// Progress over `total` shards whose bytes are `verb` ("found": sizes, not downloads).
+    pub fn counting(name: &str, total: u64, verb: &'static str) -> Progress {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total);
             bar.set_style(
@@ -37,6 +44,7 @@ impl Progress {
             total,
             done: 0,
             bytes: 0,
+            verb,
             started: Instant::now(),
             last_line: Instant::now(),
         }
@@ -65,8 +73,9 @@ impl Progress {
     fn summary(&self) -> String {
         let secs = self.started.elapsed().as_secs_f64().max(1e-3);
         format!(
-            "{:.1} MB fetched, {:.1} MB/s",
+            "{:.1} MB {}, {:.1} MB/s",
             self.bytes as f64 / 1e6,
+            self.verb,
             self.bytes as f64 / 1e6 / secs
         )
     }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use shardd::cache::{Ensured, FetchError};
 use shardd::config::Config;
 use shardd::metrics::Metrics;
@@ -26,8 +26,7 @@ pub async fn run(mut config: Config, only: Option<String>) -> anyhow::Result<()>
         Arc::new(Metrics::new()),
         Arc::new(Plans::default()),
     )
-    .await
-    .context("opening the cache")?;
+    .await?;
     let mut problems = Vec::new();
     for dataset in config.datasets.values() {
         if only.as_ref().is_some_and(|n| *n != dataset.name) {

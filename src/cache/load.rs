@@ -165,12 +165,12 @@ impl Inner {
     ) -> Result<bool, FetchError> {
         if !r.verified {
             let path = r.entry.path.clone();
-            let sums = tokio::task::spawn_blocking(move || disk::checksums(&path, false))
+            let sums = tokio::task::spawn_blocking(move || disk::checksums(&path))
                 .await
                 .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
             match sums {
-                Ok((crc, _)) if crc == r.entry.meta.crc32c => r.verified = true,
-                Ok((crc, _)) => {
+                Ok(crc) if crc == r.entry.meta.crc32c => r.verified = true,
+                Ok(crc) => {
                     self.metrics.cache_verify_failures_total.inc();
                     tracing::warn!(url = %shard, want = r.entry.meta.crc32c, got = crc, "cache entry corrupted on disk: fetching it again");
                     return Ok(false);
@@ -234,10 +234,10 @@ impl Inner {
             };
             let read = self.stores.read_into(shard, &version, file).await;
             let result = match read {
-                Ok(()) => {
+                Ok(fetched) => {
                     let (inner, url, version) = (self.clone(), shard.clone(), version.clone());
                     tokio::task::spawn_blocking(move || {
-                        inner.finish(&url, version, temp, reservation, purpose)
+                        inner.finish(&url, version, fetched.crc32c, temp, reservation, purpose)
                     })
                     .await
                     .unwrap_or_else(|e| {
@@ -250,7 +250,7 @@ impl Inner {
                 Err(e) => {
                     // Unlinking is file I/O: not on a runtime thread.
                     let _ = tokio::task::spawn_blocking(move || drop(temp)).await;
-                    Err(e.into())
+                    Err(self.read_failed(e))
                 }
             };
             match result {
@@ -262,30 +262,29 @@ impl Inner {
         }
     }
 
-    /// Verifies a completed read, decompresses it if it is gzip, and commits it. Blocking.
+    /// A failed read as the cache reports it: bytes that do not match the checksum their
+    /// source vouches for are a verification failure (counted; fetched once more).
+    fn read_failed(&self, e: ReadError) -> FetchError {
+        match e {
+            ReadError::Checksum { url, what } => {
+                self.metrics.cache_verify_failures_total.inc();
+                FetchError::Verify { url, what }
+            }
+            e => e.into(),
+        }
+    }
+
+    /// Decompresses a completed, verified read if it is gzip, and commits it; `crc` is the
+    /// read's CRC-32C (computed as it was written). Blocking.
     pub(super) fn finish(
         self: &Arc<Self>,
         shard: &ShardUrl,
         version: Version,
+        crc: u32,
         temp: disk::TempFile,
         mut reservation: Reservation,
         purpose: Purpose,
     ) -> Result<Ready, FetchError> {
-        let want_md5 = version.md5();
-        let (crc, md5) = disk::checksums(temp.path(), want_md5.is_some())
-            .map_err(FetchError::io(shard, "reading back the download"))?;
-        if want_md5 != md5 {
-            self.metrics.cache_verify_failures_total.inc();
-            return Err(FetchError::Verify {
-                url: shard.to_string(),
-                what: format!(
-                    "the store says MD5 {}, the {} bytes received hash to {}",
-                    want_md5.unwrap_or_default(),
-                    version.size,
-                    md5.unwrap_or_default()
-                ),
-            });
-        }
         let gzip = disk::is_gzip(temp.path())
             .map_err(FetchError::io(shard, "reading back the download"))?;
         let (data, size, crc) = if gzip {

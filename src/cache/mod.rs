@@ -6,10 +6,11 @@
 //!   read from its source once; the others wait for that one load.
 //! - **Pins.** A stream reading a shard holds a pin, released when the last of its bytes is
 //!   dropped; a pinned entry is never evicted or replaced.
-//! - **Verified.** A download's size is checked, and its MD5 against the store's when the store
-//!   vouches for one (see [`Version::md5`](crate::store::Version::md5)); a mismatch is
-//!   fetched once more, then fails the stream naming the shard. Every entry's CRC-32C is
-//!   recorded; an entry found at start-up is checked against it before it is first served.
+//! - **Verified.** A download is checked by the store against the checksums its source
+//!   vouches for (`store.verify`; see [`crate::store`]), from the CRC-32C computed as it was
+//!   written: the cache never reads a download back to check it. A mismatch is fetched once
+//!   more, then fails the stream naming the shard and both checksums. Every entry's CRC-32C
+//!   is recorded; an entry found at start-up is checked against it before it is first served.
 //!   Nothing that did not verify is served or kept.
 //! - **Fresh.** An entry not checked against its source for `cache.revalidate` is checked
 //!   (a HEAD, or a `stat` of a local file) when next used and fetched again if it changed.

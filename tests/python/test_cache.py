@@ -233,7 +233,8 @@ def test_an_object_replaced_mid_download_is_never_served_mixed(
     If-Match with the ETag the download started from: S3 (moto) refuses the next part (412),
     and the daemon starts over on the new version. fake-gcs-server ignores If-Match (checked:
     it answers 200 to a wrong one), so there the second part is the new version's bytes, and
-    the MD5 check of the whole object (its ETag) catches the mix. Either way the new version
+    the CRC-32C check of the whole object (the first part's x-goog-hash) catches the mix.
+    Either way the new version
     is served whole, never the first part of one version and the rest of the other."""
     old = {"__key__": "m", "bin": random.Random(1).randbytes(3 << 20)}
     new = {"__key__": "m", "bin": random.Random(2).randbytes(3 << 20)}

@@ -1,0 +1,336 @@
+//! The object stores behind shard URLs, and reading a shard's bytes from its source.
+//!
+//! `gs://` and `s3://` shards are read through `object_store`, one store per bucket, built once
+//! at start-up ([`build`]); local shards (`file://` URLs or plain paths) are copied ([`local`]).
+//! Each URL is resolved once into a [`Source`], so every operation has one object branch and
+//! one local branch.
+//!
+//! A shard's [`Version`] is what identifies its content: size, ETag and generation for an
+//! object, size, inode and modification time for a local file. A read is checked against it:
+//! every ranged GET carries `If-Match: <ETag>`, and a local file that changes while it is
+//! copied is an error, never a mixed copy. A read is also checked against the checksums the
+//! source vouches for ([`verify`]), computed while the bytes are written ([`download`]).
+//!
+//! Before its first request a command asks every store for its credentials
+//! ([`Stores::check_credentials`]), so a machine without them fails in seconds with one line.
+//! Shard downloads in flight on the host are bounded by `store.max_downloads`.
+
+mod build;
+mod credentials;
+mod download;
+mod local;
+mod reported;
+mod verify;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+use tokio::sync::Semaphore;
+
+use self::build::Bucket;
+pub use self::credentials::CredentialsError;
+pub use self::verify::{Checked, Fetched};
+use crate::config::{Config, Verify};
+use crate::metrics::Metrics;
+use crate::url::{Location, ShardUrl};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot set up the store for {bucket}: {source}")]
+    Build {
+        bucket: String,
+        source: object_store::Error,
+    },
+}
+
+/// Why reading a shard from its source failed. Every message starts with the shard's URL.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("{url}: object not found")]
+    NotFound { url: String },
+    #[error("{url}: download failed: {source}")]
+    Store {
+        url: String,
+        source: object_store::Error,
+    },
+    #[error("{url}: truncated download: got {got} of {expected} bytes")]
+    Truncated {
+        url: String,
+        got: u64,
+        expected: u64,
+    },
+    #[error("{url}: changed while it was being read ({what})")]
+    Changed { url: String, what: String },
+    /// The bytes received do not match a checksum the source vouches for.
+    #[error("{url}: checksum mismatch: {what}")]
+    Checksum { url: String, what: String },
+    /// `store.verify = "checksum"`, and the source vouches for no checksum.
+    #[error(
+        "{url}: no checksum to verify the download against (store.verify = \"checksum\"): the store reports none for this object and no manifest records one"
+    )]
+    Unverified { url: String },
+    #[error("{url}: {what}: {source}")]
+    Io {
+        url: String,
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl ReadError {
+    fn io(url: &ShardUrl, what: &'static str) -> impl FnOnce(std::io::Error) -> ReadError {
+        let url = url.to_string();
+        move |source| ReadError::Io { url, what, source }
+    }
+}
+
+/// What identifies one version of a shard's content.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Version {
+    pub size: u64,
+    /// The object's ETag (`local:<inode>:<mtime ns>` for a local file).
+    pub e_tag: Option<String>,
+    /// The object's generation (GCS) or version id (S3), when the store reports one.
+    pub generation: Option<String>,
+}
+
+/// Where a shard's bytes come from, resolved once per operation.
+enum Source<'a> {
+    Object {
+        store: &'a Arc<dyn ObjectStore>,
+        path: &'a ObjectPath,
+    },
+    Local(&'a Path),
+}
+
+/// The object stores of every bucket the config names, built once, and the limits on
+/// reading from them.
+pub struct Stores {
+    /// By (scheme, bucket): ordered, so that checks report the same store first every time.
+    buckets: BTreeMap<(&'static str, String), Bucket>,
+    part_size: u64,
+    parts_in_flight: usize,
+    downloads: Semaphore,
+    verify: Verify,
+    credentials_timeout: Duration,
+    /// CRC-32C recorded by the datasets' manifests ([`Stores::know_crc32c`]).
+    indexed: RwLock<verify::Indexed>,
+    metrics: Arc<Metrics>,
+}
+
+impl Stores {
+    /// Builds one store per (scheme, bucket) used by the config's datasets.
+    pub fn from_config(config: &Config, metrics: Arc<Metrics>) -> Result<Stores, StoreError> {
+        let mut buckets = BTreeMap::new();
+        for dataset in config.datasets.values() {
+            for shard in dataset.shards.iter().chain(&dataset.manifest) {
+                let (scheme, bucket) = match shard.location() {
+                    Location::Gcs { bucket, .. } => ("gs", bucket),
+                    Location::S3 { bucket, .. } => ("s3", bucket),
+                    Location::Local(_) => continue,
+                };
+                let key = (scheme, bucket.clone());
+                if buckets.contains_key(&key) {
+                    continue;
+                }
+                let built =
+                    build::bucket(scheme, bucket, config).map_err(|source| StoreError::Build {
+                        bucket: format!("{scheme}://{bucket}"),
+                        source,
+                    })?;
+                buckets.insert(key, built);
+            }
+        }
+        Ok(Stores {
+            buckets,
+            part_size: config.part_size,
+            parts_in_flight: config.parts_in_flight,
+            downloads: Semaphore::new(config.max_downloads),
+            verify: config.verify,
+            credentials_timeout: config.credentials_timeout,
+            indexed: RwLock::default(),
+            metrics,
+        })
+    }
+
+    fn source<'a>(&'a self, shard: &'a ShardUrl) -> Source<'a> {
+        let (scheme, bucket, path) = match shard.location() {
+            Location::Gcs { bucket, path } => ("gs", bucket, path),
+            Location::S3 { bucket, path } => ("s3", bucket, path),
+            Location::Local(file) => return Source::Local(file),
+        };
+        let bucket = self
+            .buckets
+            .get(&(scheme, bucket.clone()))
+            .expect("stores are built for every bucket of the config");
+        Source::Object {
+            store: &bucket.store,
+            path,
+        }
+    }
+
+    /// The shard's current version: a HEAD request, or a `stat` of a local file.
+    pub async fn version(&self, shard: &ShardUrl) -> Result<Version, ReadError> {
+        let (store, path) = match self.source(shard) {
+            Source::Object { store, path } => (store, path),
+            Source::Local(file) => {
+                let (file, url) = (file.to_path_buf(), shard.clone());
+                return blocking(shard, move || local::version(&file, &url)).await;
+            }
+        };
+        self.count("head", 0);
+        let asked = Instant::now();
+        let head = store.head(path).await;
+        self.observe("head", asked);
+        head.map(|meta| Version {
+            size: meta.size,
+            e_tag: meta.e_tag,
+            generation: meta.version,
+        })
+        .map_err(|e| self.store_error(shard, e))
+    }
+
+    /// A small object's (or local file's) whole content: a manifest.
+    pub async fn read_whole(&self, url: &ShardUrl) -> Result<Bytes, ReadError> {
+        let (store, path) = match self.source(url) {
+            Source::Object { store, path } => (store, path),
+            Source::Local(file) => {
+                let (file, shard) = (file.to_path_buf(), url.clone());
+                return blocking(url, move || local::read(&file, &shard)).await;
+            }
+        };
+        self.count("get", 0);
+        let got = store
+            .get(path)
+            .await
+            .map_err(|e| self.store_error(url, e))?;
+        got.bytes().await.map_err(|e| self.store_error(url, e))
+    }
+
+    /// Writes a small object (or local file) whole: a manifest.
+    pub async fn write_whole(&self, url: &ShardUrl, bytes: Bytes) -> Result<(), ReadError> {
+        let (store, path) = match self.source(url) {
+            Source::Object { store, path } => (store, path),
+            Source::Local(file) => {
+                let (file, shard) = (file.to_path_buf(), url.clone());
+                return blocking(url, move || local::write(&file, &shard, &bytes)).await;
+            }
+        };
+        store
+            .put(path, bytes.into())
+            .await
+            .map(|_| ())
+            .map_err(|e| self.store_error(url, e))
+    }
+
+    /// Reads exactly `version` of the shard into `file` (empty, owned by the cache) and
+    /// checks it against what its source vouches for ([`verify`]).
+    pub async fn read_into(
+        &self,
+        shard: &ShardUrl,
+        version: &Version,
+        file: std::fs::File,
+    ) -> Result<Fetched, ReadError> {
+        let _permit = self.downloads.acquire().await.expect("never closed");
+        let _active = crate::metrics::Active::new(&self.metrics.downloads_active);
+        let started = Instant::now();
+        let result = self.read_verified(shard, version, file).await;
+        match &result {
+            Ok(fetched) => {
+                tracing::debug!(url = %shard, checked = ?fetched.checked, "shard read");
+                self.metrics.shard_fetches_total.inc();
+                self.metrics.shard_fetch_bytes_total.inc_by(version.size);
+                self.metrics
+                    .shard_fetch_seconds
+                    .observe(started.elapsed().as_secs_f64());
+            }
+            Err(e) => {
+                self.metrics.shard_fetch_errors_total.inc();
+                tracing::warn!(error = %e, "shard read failed");
+            }
+        }
+        result
+    }
+
+    async fn read_verified(
+        &self,
+        shard: &ShardUrl,
+        version: &Version,
+        file: std::fs::File,
+    ) -> Result<Fetched, ReadError> {
+        let (received, reported, local) = match self.source(shard) {
+            Source::Object { store, path } => {
+                let (received, reported) = self.download(store, path, shard, version, file).await?;
+                (received, reported, false)
+            }
+            Source::Local(src) => {
+                let (src, url, v) = (src.to_path_buf(), shard.clone(), version.clone());
+                let crc32c = blocking(shard, move || local::copy(&src, &url, &v, file)).await?;
+                let received = verify::Received { crc32c, md5: None };
+                (received, None, true)
+            }
+        };
+        self.verify(shard, version, received, reported, local)
+    }
+
+    fn observe(&self, kind: &str, asked: Instant) {
+        self.metrics
+            .store_request_seconds
+            .with_label_values(&[kind])
+            .observe(asked.elapsed().as_secs_f64());
+    }
+
+    fn count(&self, request: &str, bytes: u64) {
+        if !request.is_empty() {
+            self.metrics
+                .store_requests_total
+                .with_label_values(&[request])
+                .inc();
+        }
+        self.metrics.store_bytes_total.inc_by(bytes);
+    }
+
+    fn store_error(&self, shard: &ShardUrl, e: object_store::Error) -> ReadError {
+        let kind = match &e {
+            object_store::Error::NotFound { .. } => "not_found",
+            object_store::Error::Precondition { .. } => "changed",
+            _ => "other",
+        };
+        self.metrics
+            .store_errors_total
+            .with_label_values(&[kind])
+            .inc();
+        match e {
+            object_store::Error::NotFound { .. } => ReadError::NotFound {
+                url: shard.to_string(),
+            },
+            object_store::Error::Precondition { .. } => ReadError::Changed {
+                url: shard.to_string(),
+                what: "its ETag no longer matches".into(),
+            },
+            source => ReadError::Store {
+                url: shard.to_string(),
+                source,
+            },
+        }
+    }
+}
+
+/// Runs blocking file work off the runtime threads; a panic fails the read, not the daemon.
+async fn blocking<T: Send + 'static>(
+    shard: &ShardUrl,
+    f: impl FnOnce() -> Result<T, ReadError> + Send + 'static,
+) -> Result<T, ReadError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ReadError::Io {
+            url: shard.to_string(),
+            what: "internal error while reading the file",
+            source: std::io::Error::other(e.to_string()),
+        })
+    })
+}
