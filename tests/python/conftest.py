@@ -315,6 +315,18 @@ def gcs_config(endpoint, host_index=0, host_count=1, shuffle_buffer=25, extra=""
     )
 
 
+def recv_head(sock):
+    """An HTTP request's head and whatever came after it in the same reads, or None when the
+    peer closed before the head was complete (for the test proxies)."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None
+        head += chunk
+    return head
+
+
 class CuttingProxy:
     """A loopback HTTP proxy in front of fake-gcs-server that cuts the body of the first
     ``cuts`` responses for object paths containing ``match`` in half and then drops the
@@ -333,12 +345,9 @@ class CuttingProxy:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self):
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    chunk = self.request.recv(65536)
-                    if not chunk:
-                        return
-                    head += chunk
+                head = recv_head(self.request)
+                if head is None:
+                    return
                 # fake-gcs-server answers object paths only for its own host name.
                 lines = [
                     l for l in head.split(b"\r\n")

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 import shardd
 
-from conftest import BUCKET, S3_CREDENTIALS_BOTO, S3_ENV, SHARDD, tar_of, upload
+from conftest import BUCKET, S3_CREDENTIALS_BOTO, S3_ENV, SHARDD, recv_head, tar_of, upload
 
 
 class EditingProxy:
@@ -38,12 +38,9 @@ class EditingProxy:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self):
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    chunk = self.request.recv(65536)
-                    if not chunk:
-                        return
-                    head += chunk
+                head = recv_head(self.request)
+                if head is None:
+                    return
                 request_head, rest = head.split(b"\r\n\r\n", 1)
                 lines = [
                     l for l in request_head.split(b"\r\n")
