@@ -103,7 +103,11 @@ pub async fn pump(
         bytes: 0,
     };
     let opened = Instant::now();
-    while let Leg::Parked = serve_from(ctx, &job, opened, sock, sink, &mut end).await? {
+    // Sample counts of the pieces read so far, where the plan has none (no manifest): a
+    // stream resumed after a park skips them unread, as with a manifest.
+    let mut counts = vec![None; job.plan.pieces.len()];
+    while let Leg::Parked = serve_from(ctx, &job, opened, sock, sink, &mut end, &mut counts).await?
+    {
         park(ctx, &job, sock).await?;
     }
     let frame = [Part::Inline(Bytes::from(protocol::json_frame(
@@ -137,17 +141,25 @@ async fn serve_from(
     sock: &UnixStream,
     sink: &mut Sink,
     end: &mut End,
+    counts: &mut [Option<u64>],
 ) -> Result<Leg, StreamError> {
     let dataset = job.dataset;
     let position = job.start + end.samples;
-    let (pieces, mut order) = resume(job.plan.clone(), dataset.shuffle_buffer, position);
+    let mut plan = job.plan.clone();
+    for (piece, count) in plan.pieces.iter_mut().zip(counts.iter()) {
+        piece.end = piece.end.or(*count);
+    }
+    let total = plan.pieces.len();
+    let (pieces, mut order) = resume(plan, dataset.shuffle_buffer, position);
     let mut reader = ShardReader {
         cache: &ctx.cache,
         dataset,
         schedule: open_schedule(ctx, job, &pieces),
+        returned: total - pieces.len(),
         queue: pieces.into(),
         current: None,
         next: None,
+        counts,
     };
     let series = Series::new(&ctx.metrics, &dataset.name);
     loop {
@@ -303,16 +315,13 @@ async fn park(ctx: &StreamContext, job: &Job<'_>, sock: &UnixStream) -> Result<(
 }
 
 /// Sets a stream up to start at `start`: the pieces to read from the start of the shuffle
-/// window that holds it (with sample counts, the pieces before it are cut off unread;
-/// without, they are read and their samples dropped), and the sample order that skips what
-/// comes before `start`.
+/// window that holds it (pieces whose sample counts are known are cut off unread; from the
+/// first one whose count is not, they are read and their samples dropped), and the sample
+/// order that skips what comes before `start`.
 fn resume(plan: StreamPlan, window: usize, start: u64) -> (Vec<Piece>, SampleOrder) {
     let mut shuffle = WindowShuffle::new(plan.stream_key, window);
     let window_start = shuffle.seek(start);
-    let (pieces, discard) = match plan.samples {
-        Some(_) => (skip_samples(plan.pieces, window_start), 0),
-        None => (plan.pieces, window_start),
-    };
+    let (pieces, discard) = skip_counted(plan.pieces, window_start);
     let order = SampleOrder {
         shuffle,
         loaded: VecDeque::new(),
@@ -401,9 +410,14 @@ struct ShardReader<'a> {
     /// The one after it, loading once the current one is ready.
     next: Option<ShardTask>,
     schedule: ScheduleHandle,
+    /// The plan's index of the piece `next` returns.
+    returned: usize,
+    /// Sample counts learnt of pieces the plan has none for, by the plan's index.
+    counts: &'a mut [Option<u64>],
 }
 
-type ShardTask = AbortOnDropHandle<Result<Vec<Sample>, StreamError>>;
+/// A piece's samples, and the shard's sample count when the plan did not know it.
+type ShardTask = AbortOnDropHandle<Result<(Vec<Sample>, Option<u64>), StreamError>>;
 
 impl ShardReader<'_> {
     /// The next shard's samples, or `None` after the last shard. Cancel-safe: a call dropped
@@ -417,8 +431,12 @@ impl ShardReader<'_> {
         };
         let done = current.await;
         self.current = None;
-        let samples =
+        let (samples, count) =
             done.map_err(|e| StreamError::Internal(format!("shard task failed: {e}")))??;
+        if let Some(slot) = self.counts.get_mut(self.returned) {
+            *slot = slot.or(count);
+        }
+        self.returned += 1;
         self.next = self.start();
         // Only now is the shard behind this stream: until its bytes are pinned (held by its
         // samples) the schedule keeps it at distance 0, safe from eviction.
@@ -436,6 +454,7 @@ impl ShardReader<'_> {
             let mut samples = tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
                 .await
                 .map_err(|e| StreamError::Internal(format!("{shard}: parsing failed: {e}")))??;
+            let count = piece.end.is_none().then_some(samples.len() as u64);
             let end = piece.end.unwrap_or(samples.len() as u64);
             if end > samples.len() as u64 {
                 return Err(StreamError::Manifest(format!(
@@ -445,25 +464,32 @@ impl ShardReader<'_> {
             }
             samples.truncate(end as usize);
             samples.drain(..piece.start as usize);
-            Ok(samples)
+            Ok((samples, count))
         })))
     }
 }
 
-/// Cuts the first `n` samples off a list of bounded pieces.
-fn skip_samples(pieces: Vec<Piece>, mut n: u64) -> Vec<Piece> {
+/// Cuts the first `n` samples off `pieces` as far as their lengths are known (all of them
+/// with a manifest; those read before a park without one), up to the first piece of unknown
+/// length. Returns the pieces left (a suffix of `pieces`, the first perhaps cut) and how many
+/// of the `n` samples are still to be read and dropped.
+fn skip_counted(pieces: Vec<Piece>, mut n: u64) -> (Vec<Piece>, u64) {
     let mut out = Vec::with_capacity(pieces.len());
     for mut p in pieces {
-        let len = p.end.map_or(u64::MAX, |e| e - p.start);
-        if n >= len {
-            n -= len;
-            continue;
+        if out.is_empty()
+            && let Some(end) = p.end
+        {
+            let len = end - p.start;
+            if n >= len {
+                n -= len;
+                continue;
+            }
+            p.start += n;
+            n = 0;
         }
-        p.start += n;
-        n = 0;
         out.push(p);
     }
-    out
+    (out, n)
 }
 
 #[cfg(test)]
@@ -539,6 +565,26 @@ mod tests {
                         full[start..],
                         "case {case} exact {exact} start {start}"
                     );
+                }
+                // A parked stream without a manifest knows the counts of the pieces it read:
+                // any known prefix gives the same rest.
+                for known in [1, plan.pieces.len() / 2, plan.pieces.len()] {
+                    let mut learnt = plan.clone();
+                    for p in learnt.pieces.iter_mut().take(known) {
+                        p.end = p.end.or(Some(counts[p.shard]));
+                    }
+                    for start in 0..=full.len() {
+                        assert_eq!(
+                            deliver(&learnt, &counts, window, start as u64),
+                            full[start..],
+                            "case {case} exact {exact} known {known} start {start}"
+                        );
+                        // Every count known: nothing before the window is read again.
+                        let (_, order) = resume(learnt.clone(), window, start as u64);
+                        if known == plan.pieces.len() {
+                            assert_eq!(order.discard, 0, "case {case} start {start}");
+                        }
+                    }
                 }
             }
         }
