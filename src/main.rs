@@ -8,6 +8,7 @@ use shardd::protocol::Request;
 use tokio_util::sync::CancellationToken;
 
 mod index;
+mod malloc;
 mod progress;
 mod warm;
 
@@ -106,6 +107,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    malloc::tune();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,

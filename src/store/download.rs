@@ -1,7 +1,8 @@
 //! One object's download: parallel ranged GETs of `store.part_size`, up to
 //! `store.parts_in_flight` at once, each pinned to the version's ETag with `If-Match`, written
 //! at their offsets by one blocking writer behind a bounded channel (a slow disk never blocks
-//! a runtime thread, and memory stays bounded).
+//! a runtime thread, and memory stays bounded). Each part gathers its body chunks into batches
+//! of ~1 MiB, one channel message and one `pwritev` each.
 //!
 //! The writer also checksums: a CRC-32C per part as its chunks arrive (in order within a
 //! part), combined into the object's CRC-32C at the end, so the bytes are never read back.
@@ -11,7 +12,6 @@
 //! in one part).
 
 use std::ops::Range;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,15 +26,23 @@ use super::verify::Received;
 use super::{ReadError, Stores, Version};
 use crate::url::ShardUrl;
 
-/// Chunks queued for the writer: enough to keep the disk busy, bounded memory.
-const WRITE_QUEUE: usize = 16;
+/// Body bytes a part gathers before handing them to the writer. The HTTP client's chunks
+/// average ~220 KiB here (2.4 k `recv`s and as many `pwrite`s and writer wake-ups per
+/// 0.5 GB, `strace -c` on a cold `cache_bench` epoch); batches of 1 MiB send the writer a
+/// quarter as many messages and system calls, and copy nothing (the chunks go to `pwritev`).
+const BATCH_BYTES: u64 = 1 << 20;
+/// Most chunks in one batch: well under `IOV_MAX` (1024).
+const BATCH_CHUNKS: usize = 256;
+/// Batches queued for the writer: enough to keep the disk busy; with the batch each part is
+/// gathering, a download holds at most (8 + parts in flight) MiB of body.
+const WRITE_QUEUE: usize = 8;
 
-/// A chunk of part `part`, to be written at `at`; `md5` when the whole object is this one
-/// part and its MD5 is the checksum to check.
+/// Consecutive body chunks of part `part`, to be written from `at`; `md5` when the whole
+/// object is this one part and its MD5 is the checksum to check.
 struct Chunk {
     part: usize,
     at: u64,
-    bytes: Bytes,
+    bufs: Vec<Bytes>,
     md5: bool,
 }
 
@@ -116,6 +124,12 @@ impl Stores {
         let md5 = single && self.wants_md5(shard, version, reported.as_ref());
         let mut body = got.into_stream();
         let mut at = range.start;
+        let mut batch = Chunk {
+            part,
+            at,
+            bufs: Vec::new(),
+            md5,
+        };
         while let Some(chunk) = body.next().await {
             let bytes = chunk.map_err(|e| self.store_error(shard, e))?;
             let len = bytes.len() as u64;
@@ -123,16 +137,22 @@ impl Stores {
                 break; // more than asked for: counted as a bad length below
             }
             self.count("", len);
-            let chunk = Chunk {
-                part,
-                at,
-                bytes,
-                md5,
-            };
-            if tx.send(chunk).await.is_err() {
-                return Ok(reported); // the writer failed; `download` reports why
-            }
+            batch.bufs.push(bytes);
             at += len;
+            if at - batch.at >= BATCH_BYTES || batch.bufs.len() >= BATCH_CHUNKS {
+                let next = Chunk {
+                    part,
+                    at,
+                    bufs: Vec::new(),
+                    md5,
+                };
+                if tx.send(std::mem::replace(&mut batch, next)).await.is_err() {
+                    return Ok(reported); // the writer failed; `download` reports why
+                }
+            }
+        }
+        if !batch.bufs.is_empty() && tx.send(batch).await.is_err() {
+            return Ok(reported);
         }
         if at != range.end {
             return Err(ReadError::Truncated {
@@ -156,16 +176,52 @@ fn write(
     let mut crcs = vec![0u32; lens.len()];
     let mut md5: Option<md5::Md5> = None;
     while let Some(chunk) = rx.blocking_recv() {
-        crcs[chunk.part] = crc32c::crc32c_append(crcs[chunk.part], &chunk.bytes);
-        if chunk.md5 {
-            md5.get_or_insert_with(md5::Md5::new).update(&chunk.bytes);
+        for bytes in &chunk.bufs {
+            crcs[chunk.part] = crc32c::crc32c_append(crcs[chunk.part], bytes);
+            if chunk.md5 {
+                md5.get_or_insert_with(md5::Md5::new).update(bytes);
+            }
         }
-        file.write_all_at(&chunk.bytes, chunk.at)?;
+        write_all_at(&file, &chunk.bufs, chunk.at)?;
     }
     Ok(Received {
         crc32c: combine(&crcs, lens),
         md5: md5.map(|h| h.finalize().into()),
     })
+}
+
+/// Writes `bufs` one after the other from offset `at`: `pwritev`, again for what a short
+/// write left.
+fn write_all_at(file: &std::fs::File, bufs: &[Bytes], mut at: u64) -> std::io::Result<()> {
+    let mut left: Vec<&[u8]> = bufs
+        .iter()
+        .map(|b| &b[..])
+        .filter(|b| !b.is_empty())
+        .collect();
+    let mut first = 0;
+    while first < left.len() {
+        let slices: Vec<std::io::IoSlice> = left[first..]
+            .iter()
+            .map(|b| std::io::IoSlice::new(b))
+            .collect();
+        let mut n = match rustix::io::pwritev(file, &slices, at) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        at += n as u64;
+        while n > 0 {
+            let len = left[first].len();
+            if n < len {
+                left[first] = &left[first][n..];
+                break;
+            }
+            n -= len;
+            first += 1;
+        }
+    }
+    Ok(())
 }
 
 /// Allocates the file's blocks before it is written: a full disk fails the download before
@@ -188,7 +244,22 @@ pub(super) fn combine(crcs: &[u32], lens: &[u64]) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::combine;
+    use super::{combine, write_all_at};
+
+    #[test]
+    fn a_batch_lands_byte_exact_at_its_offset() {
+        // More slices than one pwritev takes at once (IOV_MAX 1024), some empty.
+        let bufs: Vec<bytes::Bytes> = (0..3000u32)
+            .map(|i| bytes::Bytes::from(vec![i as u8; (i % 7) as usize]))
+            .collect();
+        let want: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+        let file = tempfile::tempfile().unwrap();
+        write_all_at(&file, &bufs, 5).unwrap();
+        let mut got = Vec::new();
+        std::io::Read::read_to_end(&mut &file, &mut got).unwrap();
+        assert_eq!(got[..5], [0; 5]);
+        assert_eq!(got[5..], want[..]);
+    }
 
     #[test]
     fn parts_combine_into_the_whole_buffers_crc() {
