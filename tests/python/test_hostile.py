@@ -212,6 +212,9 @@ def test_streams_that_never_read_are_bounded_then_parked(make_daemon, fake_gcs, 
     # the next window's, the one loading after it), mapped from the cache. A shard's charge
     # is its file and the 8 KiB record allowance.
     charge = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size + 8192
+    # The good stream fits in its socket buffer: once all sent, it pins nothing more.
+    wait_for(lambda: d.metric('shardd_streams_total{dataset="train",outcome="completed"}') == 1,
+             "the good stream to be all sent")
     assert d.metric("shardd_cache_pinned_bytes") <= 3 * charge
     wait_for(lambda: d.metric("shardd_streams_parked") == first + more, "the streams to park")
     assert d.metric("shardd_cache_pinned_bytes") == 0
