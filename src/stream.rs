@@ -10,10 +10,11 @@
 //! **Parking.** A client that takes no byte for `server.stall_timeout` (an evaluation pass, a
 //! checkpoint upload, a first XLA compile) is not cut off: its stream *parks*. It drops every
 //! shard it holds and keeps only its position (samples in whole frames sent, and how much of
-//! the frame in flight went out), a few words beside the connection. When the client reads
-//! again, the stream is set up again at that position exactly as a `start=` resume is (the
-//! order is a pure function of the plan), re-encodes the frame that was cut and sends only
-//! its rest. A slow reader that keeps taking bytes is never parked.
+//! the frame in flight went out) and, without a manifest, the sample counts of the shards it
+//! has read (8 bytes each): a few KB beside the connection. When the client reads again, the
+//! stream is set up again at that position exactly as a `start=` resume is (the order is a
+//! pure function of the plan), skipping the counted shards unread, re-encodes the frame that
+//! was cut and sends only its rest. A slow reader that keeps taking bytes is never parked.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
