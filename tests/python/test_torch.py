@@ -349,6 +349,16 @@ def test_errors_name_what_is_wrong(served, tmp_path):
     assert st.PlanMismatch is shardd.PlanMismatch and issubclass(st.PlanMismatch, shardd.Error)
 
 
+def test_skip_past_the_last_partial_batch_is_empty_without_a_manifest(served):
+    """Without a manifest the daemon refuses a start past the end only after reading the
+    stream; a batch count at or past the last, partial batch is still an empty epoch."""
+    full = list(make_loader(st.ShardDataset("plain", socket=served.socket), 0))
+    for cut in (len(full), len(full) + 1):
+        ds = st.ShardDataset("plain", socket=served.socket)
+        ds.skip(batches=cut, batch_size=BATCH)
+        assert list(make_loader(ds, 0)) == [], cut
+
+
 def test_skip_with_workers_needs_a_manifest(served):
     ds = st.ShardDataset("plain", socket=served.socket)
     ds.skip(batches=3, batch_size=BATCH)

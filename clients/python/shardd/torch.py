@@ -169,10 +169,7 @@ class _ShardIterator:
                 world_size=f["world_size"], seed=f["seed"], worker=f["worker"],
                 num_workers=f["num_workers"], start=c.start)
         except DaemonError as e:
-            # A batch count (``skip``) past a stream's last, partial batch: nothing is left.
-            if (self._past_end_is_empty and e.code == "bad_request"
-                    and "past the end" in str(e)):
-                raise StopIteration from None
+            self._past_end(e)
             raise
         if c.fingerprint and stream.fingerprint != c.fingerprint:
             stream.close()
@@ -191,7 +188,18 @@ class _ShardIterator:
         c.fingerprint = stream.fingerprint
         c.stream = stream
         self._next = stream.__next__
-        return self._next()
+        try:
+            return self._next()
+        except DaemonError as e:
+            # Without a manifest the daemon finds a start past the end only once it has read
+            # the stream: the refusal comes in place of the first sample.
+            self._past_end(e)
+            raise
+
+    def _past_end(self, e):
+        """A batch count (``skip``) past a stream's last, partial batch: nothing is left."""
+        if self._past_end_is_empty and e.code == "bad_request" and "past the end" in str(e):
+            raise StopIteration from None
 
     def _finish(self):
         self._next = _exhausted
