@@ -107,7 +107,6 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
             l,
             metrics.clone(),
             board.clone(),
-            cache.stores().clone(),
             shutdown.clone(),
         ))
     });

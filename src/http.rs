@@ -23,7 +23,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::status::Board;
-use crate::store::Stores;
 
 /// Requests handled at once.
 pub const MAX_REQUESTS: usize = 32;
@@ -34,11 +33,10 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 struct Shared {
     metrics: Arc<Metrics>,
     board: Arc<Board>,
-    stores: Arc<Stores>,
     started: Instant,
 }
 
-pub fn router(metrics: Arc<Metrics>, board: Arc<Board>, stores: Arc<Stores>) -> Router {
+pub fn router(metrics: Arc<Metrics>, board: Arc<Board>) -> Router {
     let router = Router::new()
         .route("/metrics", get(render))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -47,7 +45,6 @@ pub fn router(metrics: Arc<Metrics>, board: Arc<Board>, stores: Arc<Stores>) -> 
         .with_state(Shared {
             metrics,
             board,
-            stores,
             started: Instant::now(),
         });
     bounded(router, REQUEST_TIMEOUT, MAX_REQUESTS)
@@ -78,15 +75,8 @@ async fn render(State(s): State<Shared>) -> impl IntoResponse {
     )
 }
 
-/// Credentials first: a store that lost them (a revoked key, a metadata server gone) says
-/// so in the answer's one line, instead of as a slow HEAD that times out. A cached token
-/// answers at once.
 async fn ready(State(s): State<Shared>) -> impl IntoResponse {
-    let verdict = match s.stores.check_credentials().await {
-        Ok(()) => s.board.ready().await,
-        Err(e) => Err(e.to_string()),
-    };
-    match verdict {
+    match s.board.ready().await {
         Ok(()) => (StatusCode::OK, "ready\n".to_string()),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -105,10 +95,9 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     board: Arc<Board>,
-    stores: Arc<Stores>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(metrics, board, stores))
+    axum::serve(listener, router(metrics, board))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
 }

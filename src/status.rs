@@ -199,8 +199,9 @@ impl Board {
         }
     }
 
-    /// Whether the daemon can serve: the cache directory is usable and every dataset's store
-    /// answers for its first shard. Checked for real, at most every few seconds.
+    /// Whether the daemon can serve: every store can get its credentials, the cache directory
+    /// is usable and every dataset's store answers for its first shard. Checked for real, at
+    /// most every few seconds.
     pub async fn ready(&self) -> Result<(), String> {
         let mut cached = self.ready.lock().await;
         if let Some((at, verdict)) = cached.as_ref()
@@ -214,6 +215,13 @@ impl Board {
     }
 
     async fn check(&self) -> Result<(), String> {
+        // Credentials first: a store that lost them (a revoked key, a metadata server gone)
+        // says so in one line, rather than as a HEAD that times out.
+        let stores = self.cache.stores();
+        stores
+            .check_credentials()
+            .await
+            .map_err(|e| e.to_string())?;
         let dir = self.config.cache_dir.join("tmp");
         let usable = tokio::task::spawn_blocking(move || {
             let probe = dir.join(format!(".ready-{}", std::process::id()));

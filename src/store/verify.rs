@@ -132,9 +132,9 @@ impl Stores {
             if want != got {
                 return Err(mismatch(format!(
                     "the store says MD5 {}, the {} bytes received hash to {}",
-                    hex(&want),
+                    hex::encode(want),
                     version.size,
-                    hex(&got)
+                    hex::encode(got)
                 )));
             }
             checked = Checked::StoreMd5;
@@ -146,10 +146,6 @@ impl Stores {
         }
         Ok(fetched(checked))
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    hex::encode(bytes)
 }
 
 #[cfg(test)]
