@@ -190,6 +190,8 @@ pub struct DatasetSection {
     pub manifest: Option<String>,
     #[serde(default)]
     pub samples_per_epoch: Option<u64>,
+    #[serde(default)]
+    pub resampled: bool,
 }
 
 fn default_shuffle_buffer() -> usize {
@@ -277,6 +279,8 @@ pub struct Dataset {
     pub manifest: Option<ShardUrl>,
     /// Samples every stream gets per epoch (manifest mode), wrapping into the next pass.
     pub samples_per_epoch: Option<u64>,
+    /// Streams draw shards of the host's share with replacement (webdataset's `resampled`).
+    pub resampled: bool,
     /// Samples per shard, in `shards` order, once the daemon has loaded and checked the
     /// manifest (set it with [`Dataset::set_counts`]).
     pub counts: Option<std::sync::Arc<[u64]>>,
@@ -301,6 +305,7 @@ impl Dataset {
             counts: self.counts.as_deref(),
             share_seed: self.share_seed,
             samples_per_epoch: self.samples_per_epoch,
+            resampled: self.resampled,
         }
     }
 }
@@ -519,6 +524,11 @@ fn validate_dataset(
                 "dataset {name:?}: samples_per_epoch needs a manifest (shardd index) to count samples"
             )));
         }
+        None if d.resampled => {
+            return Err(invalid(format!(
+                "dataset {name:?}: resampled = true needs samples_per_epoch (and a manifest): a resampled stream has no end of its own"
+            )));
+        }
         _ => {}
     }
     let mut seen = std::collections::HashSet::new();
@@ -536,6 +546,7 @@ fn validate_dataset(
         identity: identity(&shards, None),
         manifest,
         samples_per_epoch: d.samples_per_epoch,
+        resampled: d.resampled,
         counts: None,
         shards,
     })

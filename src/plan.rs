@@ -80,6 +80,8 @@ pub struct Shape<'a> {
     pub share_seed: u64,
     /// Samples per stream per epoch, fixed (sample-level mode only).
     pub samples_per_epoch: Option<u64>,
+    /// Streams draw pieces of the host's share with replacement (needs `samples_per_epoch`).
+    pub resampled: bool,
 }
 
 impl Shape<'_> {
@@ -90,6 +92,7 @@ impl Shape<'_> {
             counts: None,
             share_seed: 0,
             samples_per_epoch: None,
+            resampled: false,
         }
     }
 }
@@ -121,6 +124,12 @@ pub enum PlanError {
     NoSamples,
     #[error("epoch {epoch} is past the end of what samples_per_epoch can number")]
     EpochTooLarge { epoch: u64 },
+    #[error(
+        "an elastic resume (resume_from) needs the dataset's sample counts: give it a manifest (`shardd index`)"
+    )]
+    ElasticNeedsManifest,
+    #[error("resume_from: {0}")]
+    BadOrigin(String),
 }
 
 /// A run of one shard's samples, in tar order: samples `start..end` (`end: None` = to the
@@ -168,6 +177,7 @@ pub fn plan_stream(
         req.num_workers as u64,
     ]);
     match shape.counts {
+        Some(counts) if shape.resampled => plan_resampled(counts, shape, host, stream_key),
         None => Ok(StreamPlan {
             pieces: plan_shards(shape, host, req, local_rank)
                 .into_iter()
@@ -326,6 +336,57 @@ fn plan_samples(
     })
 }
 
+/// Samples every stream of a sample-level epoch delivers at `hosts` hosts (`plan_samples`'s
+/// `C`); `None` when the host's share is empty and `samples_per_epoch` is set.
+pub fn stream_samples(
+    counts: &[u64],
+    shape: Shape,
+    hosts: u32,
+    req: &StreamRequest,
+) -> Option<u64> {
+    let streams = (req.world_size / hosts) as u128 * req.num_workers as u128;
+    match shape.samples_per_epoch {
+        Some(e) => Some(e),
+        None => {
+            let total: u128 = counts.iter().map(|&n| n as u128).sum();
+            Some((total / hosts as u128 / streams) as u64)
+        }
+    }
+}
+
+/// `samples_per_epoch` samples drawn from the host's pieces with replacement, a piece at a
+/// time (webdataset's `resampled=True`, deterministic): piece `i` of the stream is drawn
+/// uniformly by a generator keyed (seed, epoch, stream), the last one cut short.
+fn plan_resampled(
+    counts: &[u64],
+    shape: Shape,
+    host: Topology,
+    stream_key: u64,
+) -> Result<StreamPlan, PlanError> {
+    let (pieces, _) = host_pieces(counts, shape.share_seed, host);
+    let pieces: Vec<Piece> = pieces.into_iter().filter(|p| len(p) > 0).collect();
+    let want = shape.samples_per_epoch.unwrap_or(0);
+    if pieces.is_empty() && want > 0 {
+        return Err(PlanError::NoSamples);
+    }
+    let mut rng = SplitMix64::new(shuffle::key(&[tag::RESAMPLE, stream_key]));
+    let mut out = Vec::new();
+    let mut left = want;
+    while left > 0 {
+        let mut p = pieces[rng.below(pieces.len() as u64) as usize];
+        let n = len(&p).min(left);
+        p.end = Some(p.start + n);
+        left -= n;
+        out.push(p);
+    }
+    Ok(StreamPlan {
+        pieces: out,
+        stream_key,
+        samples: Some(want),
+        dropped: 0,
+    })
+}
+
 fn len(p: &Piece) -> u64 {
     p.end.expect("sample-level pieces are bounded") - p.start
 }
@@ -392,7 +453,7 @@ fn extract(order: &[Piece], lo: u128, hi: u128, out: &mut Vec<Piece>) {
 }
 
 /// Checks the request against the topology; returns the rank's index among this host's ranks.
-fn validate(host: Topology, req: &StreamRequest) -> Result<usize, PlanError> {
+pub(crate) fn validate(host: Topology, req: &StreamRequest) -> Result<usize, PlanError> {
     if req.world_size == 0 {
         return Err(PlanError::ZeroWorld);
     }
