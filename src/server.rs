@@ -221,7 +221,8 @@ async fn serve(
         epoch = req.epoch,
         rank = req.rank,
         worker = req.worker,
-        shards = planned.plan.pieces.len(),
+        shards = planned.start.shards,
+        elastic = req.resume_from.is_some(),
         peer_pid = peer.and_then(|p| p.pid()),
         peer_uid = peer.map(|p| p.uid()),
     );
@@ -231,7 +232,7 @@ async fn serve(
 
 /// An accepted request: its plan and the START frame that says so.
 struct Planned {
-    plan: plan::StreamPlan,
+    runs: Vec<stream::Run>,
     /// Shards the same stream reads next epoch, for the prefetcher.
     next_epoch: Vec<usize>,
     start: Start,
@@ -252,10 +253,16 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
         )
     })?;
     let stream_req = stream_request(req);
-    let (plan, next_epoch) = plan_off_runtime(daemon, &req.dataset, stream_req, req.op == "stream")
-        .await
-        .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
-    if let Some(samples) = plan.samples
+    let planned = plan_off_runtime(
+        daemon,
+        &req.dataset,
+        stream_req,
+        req.resume_from.clone(),
+        req.op == "stream",
+    )
+    .await
+    .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
+    if let Some(samples) = planned.samples
         && req.start > samples
     {
         return Err(refuse(
@@ -269,17 +276,25 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
     }
     let start = Start {
         dataset: dataset.name.clone(),
-        shards: plan.pieces.len(),
+        shards: planned.runs.iter().map(|r| r.plan.pieces.len()).sum(),
         host: config.host.index,
         hosts: config.host.count,
-        samples: plan.samples,
+        samples: planned.samples,
         position: req.start,
-        dropped: plan.dropped,
-        fingerprint: fingerprint(dataset, config, &stream_req, plan.samples),
+        dropped: planned.dropped,
+        fingerprint: fingerprint(
+            dataset,
+            config,
+            &stream_req,
+            // An elastic epoch's workers may differ by a sample; its origin fixes them all.
+            planned.samples.filter(|_| req.resume_from.is_none()),
+            req.resume_from.as_ref(),
+        ),
+        remainder: planned.remainder,
     };
     Ok(Planned {
-        plan,
-        next_epoch,
+        runs: planned.runs,
+        next_epoch: planned.next_epoch,
         start,
     })
 }
@@ -337,7 +352,7 @@ async fn run_stream(
     let mut sink = Sink::new();
     let job = stream::Job {
         dataset,
-        plan: planned.plan,
+        runs: planned.runs,
         start: req.start,
         id: StreamId {
             dataset: dataset.name.clone(),
@@ -431,22 +446,65 @@ fn report(
     }
 }
 
-/// Plans the stream's epoch and, for the prefetcher, the shards of the same stream's next
-/// epoch (none past the last epoch or when it cannot be planned). Planning walks the host's
-/// share, O(shards), so it runs on the blocking pool: a client asking for a large dataset must
-/// not hold up the runtime threads every other stream is served from.
+/// What planning a request gives.
+struct Plan {
+    runs: Vec<stream::Run>,
+    next_epoch: Vec<usize>,
+    samples: Option<u64>,
+    dropped: u64,
+    remainder: Option<u64>,
+}
+
+/// Plans the stream's epoch (or, with `resume_from`, the rest of it after a checkpoint at
+/// another topology: runs of the old streams) and, for the prefetcher, the shards of the same
+/// stream's next epoch (none past the last epoch or when it cannot be planned). Planning
+/// walks the host's share, O(shards), so it runs on the blocking pool: a client asking for a
+/// large dataset must not hold up the runtime threads every other stream is served from.
 async fn plan_off_runtime(
     daemon: &Arc<Daemon>,
     dataset: &str,
     req: StreamRequest,
+    resume_from: Option<crate::elastic::Origin>,
     with_next: bool,
-) -> Result<(plan::StreamPlan, Vec<usize>), plan::PlanError> {
+) -> Result<Plan, plan::PlanError> {
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
     let work = move || {
         let (config, d) = (&daemon.config, &daemon.config.datasets[&dataset]);
-        let plan = plan::plan_stream(d.shape(), config.host, &req)?;
-        let next = req
+        let mut planned = match &resume_from {
+            None => {
+                let plan = plan::plan_stream(d.shape(), config.host, &req)?;
+                Plan {
+                    samples: plan.samples,
+                    dropped: plan.dropped,
+                    remainder: None,
+                    runs: vec![stream::Run::whole(plan)],
+                    next_epoch: Vec::new(),
+                }
+            }
+            Some(origin) => {
+                let e = crate::elastic::plan(d.shape(), config.host, &req, origin)?;
+                let runs = e
+                    .segments
+                    .iter()
+                    .map(|s| {
+                        Ok(stream::Run {
+                            plan: plan::plan_stream(d.shape(), s.host, &s.req)?,
+                            from: s.from,
+                            to: Some(s.to),
+                        })
+                    })
+                    .collect::<Result<_, plan::PlanError>>()?;
+                Plan {
+                    runs,
+                    next_epoch: Vec::new(),
+                    samples: Some(e.samples),
+                    dropped: e.dropped,
+                    remainder: Some(e.remainder),
+                }
+            }
+        };
+        planned.next_epoch = req
             .epoch
             .checked_add(1)
             .filter(|_| with_next)
@@ -456,7 +514,7 @@ async fn plan_off_runtime(
             })
             .map(|p| p.shards().collect())
             .unwrap_or_default();
-        Ok((plan, next))
+        Ok(planned)
     };
     tokio::task::spawn_blocking(work)
         .await
@@ -524,6 +582,7 @@ fn fingerprint(
     config: &Config,
     req: &StreamRequest,
     samples: Option<u64>,
+    resume_from: Option<&crate::elastic::Origin>,
 ) -> String {
     use md5::Digest;
     let mut h = md5::Md5::new();
@@ -540,6 +599,13 @@ fn fingerprint(
         samples.unwrap_or(u64::MAX),
     ] {
         h.update(word.to_le_bytes());
+    }
+    if dataset.resampled {
+        h.update(b"resampled");
+    }
+    if let Some(origin) = resume_from {
+        // An elastic resume's plan is the old checkpoint's too.
+        h.update(serde_json::to_vec(origin).expect("an origin serialises"));
     }
     hex::encode(&h.finalize()[..8])
 }

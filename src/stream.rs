@@ -63,10 +63,35 @@ pub enum StreamError {
     PastEnd { start: u64, samples: u64 },
 }
 
+/// A run of a base stream's shuffled output, positions `from..to` (`to: None`: to its end).
+/// A stream is one run of its own plan, or after an elastic resume, runs of the streams of
+/// the topology it was checkpointed at (`elastic.rs`), read one after another.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub plan: StreamPlan,
+    pub from: u64,
+    pub to: Option<u64>,
+}
+
+impl Run {
+    /// A whole stream.
+    pub fn whole(plan: StreamPlan) -> Run {
+        Run {
+            to: plan.samples,
+            plan,
+            from: 0,
+        }
+    }
+
+    fn len(&self) -> Option<u64> {
+        self.to.map(|to| to - self.from)
+    }
+}
+
 /// One stream to serve.
 pub struct Job<'a> {
     pub dataset: &'a Dataset,
-    pub plan: StreamPlan,
+    pub runs: Vec<Run>,
     /// Stream position to start from (samples an earlier connection delivered).
     pub start: u64,
     /// Who the stream is, for the prefetcher's schedules.
@@ -106,7 +131,7 @@ pub async fn pump(
     let opened = Instant::now();
     // Sample counts of the pieces read so far, where the plan has none (no manifest): a
     // stream resumed after a park skips them unread, as with a manifest.
-    let mut counts = vec![None; job.plan.pieces.len()];
+    let mut counts = vec![None; job.runs.first().map_or(0, |r| r.plan.pieces.len())];
     while let Leg::Parked = serve_from(ctx, &job, opened, sock, sink, &mut end, &mut counts).await?
     {
         park(ctx, &job, sock).await?;
@@ -133,8 +158,8 @@ enum Leg {
 }
 
 /// Serves the stream from where it is (`job.start` + the samples of whole frames sent, in
-/// `end`) until it is complete or its client pauses. Everything it holds (shards, samples,
-/// the schedule) is dropped when it returns.
+/// `end`) until it is complete or its client pauses: the rest of the run that holds that
+/// position, then the runs after it.
 async fn serve_from(
     ctx: &StreamContext,
     job: &Job<'_>,
@@ -144,18 +169,56 @@ async fn serve_from(
     end: &mut End,
     counts: &mut [Option<u64>],
 ) -> Result<Leg, StreamError> {
+    let mut position = job.start + end.samples;
+    for (k, run) in job.runs.iter().enumerate() {
+        if let Some(len) = run.len()
+            && position >= len
+            && k + 1 < job.runs.len()
+        {
+            position -= len;
+            continue;
+        }
+        let later = &job.runs[k + 1..];
+        let counts = if k == 0 { &mut *counts } else { &mut [] };
+        let at = run.from + position;
+        if let Leg::Parked = serve_run(ctx, job, run, at, later, opened, sock, sink, end, counts).await? {
+            return Ok(Leg::Parked);
+        }
+        position = 0;
+    }
+    Ok(Leg::Done)
+}
+
+/// Serves `run` from its base position `at` to its end. Everything it holds (shards,
+/// samples, the schedule) is dropped when it returns.
+#[allow(clippy::too_many_arguments)]
+async fn serve_run(
+    ctx: &StreamContext,
+    job: &Job<'_>,
+    run: &Run,
+    at: u64,
+    later: &[Run],
+    opened: Instant,
+    sock: &UnixStream,
+    sink: &mut Sink,
+    end: &mut End,
+    counts: &mut [Option<u64>],
+) -> Result<Leg, StreamError> {
     let dataset = job.dataset;
-    let position = job.start + end.samples;
-    let mut plan = job.plan.clone();
+    let mut plan = run.plan.clone();
     for (piece, count) in plan.pieces.iter_mut().zip(counts.iter()) {
         piece.end = piece.end.or(*count);
     }
     let total = plan.pieces.len();
-    let (pieces, mut order) = resume(plan, dataset.shuffle_buffer, position);
+    let (pieces, mut order) = resume(plan, dataset.shuffle_buffer, at, run.to);
+    let upcoming = later
+        .iter()
+        .flat_map(|r| resume(r.plan.clone(), dataset.shuffle_buffer, r.from, r.to).0);
+    let schedule = open_schedule(ctx, job, pieces.iter().copied().chain(upcoming));
     let mut reader = ShardReader {
         cache: &ctx.cache,
         dataset,
-        schedule: open_schedule(ctx, job, &pieces),
+        schedule,
         returned: total - pieces.len(),
         queue: pieces.into(),
         current: None,
@@ -166,7 +229,9 @@ async fn serve_from(
     loop {
         fill(&mut order, &mut reader, job, &series).await?;
         let Some(mut window) = order.next_window() else {
-            order.check_reached(job.start)?;
+            if run.to.is_none() {
+                order.check_reached(at)?;
+            }
             return Ok(Leg::Done);
         };
         while !window.is_empty() {
@@ -279,10 +344,13 @@ fn send_failed(e: SendError) -> StreamError {
 /// Registers the shards the stream is about to read (then its next epoch's) with the
 /// prefetcher. A resumed stream registers only what it still reads, so prefetch and
 /// eviction do not count on shards it has passed.
-fn open_schedule(ctx: &StreamContext, job: &Job<'_>, pieces: &[Piece]) -> ScheduleHandle {
+fn open_schedule(
+    ctx: &StreamContext,
+    job: &Job<'_>,
+    pieces: impl Iterator<Item = Piece>,
+) -> ScheduleHandle {
     let shards = &job.dataset.shards;
     let upcoming = pieces
-        .iter()
         .map(|p| p.shard)
         .chain(job.next_epoch.iter().copied());
     ctx.plans.open(
@@ -318,11 +386,23 @@ async fn park(ctx: &StreamContext, job: &Job<'_>, sock: &UnixStream) -> Result<(
 /// Sets a stream up to start at `start`: the pieces to read from the start of the shuffle
 /// window that holds it (pieces whose sample counts are known are cut off unread; from the
 /// first one whose count is not, they are read and their samples dropped), and the sample
-/// order that skips what comes before `start`.
-fn resume(plan: StreamPlan, window: usize, start: u64) -> (Vec<Piece>, SampleOrder) {
+/// order that skips what comes before `start`. With `to`, it stops there, and no piece past
+/// the window that holds `to`'s last sample is read.
+fn resume(
+    plan: StreamPlan,
+    window: usize,
+    start: u64,
+    to: Option<u64>,
+) -> (Vec<Piece>, SampleOrder) {
     let mut shuffle = WindowShuffle::new(plan.stream_key, window);
+    let mut pieces = plan.pieces;
+    if let Some(to) = to.filter(|&to| to > start) {
+        let mut last = shuffle.clone();
+        let last_start = last.seek(to - 1);
+        pieces = keep_first(pieces, last_start + last.next_len() as u64);
+    }
     let window_start = shuffle.seek(start);
-    let (pieces, discard) = skip_counted(plan.pieces, window_start);
+    let (pieces, discard) = skip_counted(pieces, window_start);
     let order = SampleOrder {
         shuffle,
         loaded: VecDeque::new(),
@@ -330,8 +410,29 @@ fn resume(plan: StreamPlan, window: usize, start: u64) -> (Vec<Piece>, SampleOrd
         discard,
         skip: (start - window_start) as usize,
         counted: window_start - discard,
+        left: to.map(|to| to.saturating_sub(start)),
     };
     (pieces, order)
+}
+
+/// The first `n` samples of `pieces`, as far as their lengths are known (all of them when
+/// `to` is: runs with an end are manifest plans).
+fn keep_first(pieces: Vec<Piece>, mut n: u64) -> Vec<Piece> {
+    let mut out = Vec::with_capacity(pieces.len());
+    for mut p in pieces {
+        if n == 0 {
+            break;
+        }
+        if let Some(end) = p.end {
+            let len = end - p.start;
+            if len > n {
+                p.end = Some(p.start + n);
+            }
+            n -= len.min(n);
+        }
+        out.push(p);
+    }
+    out
 }
 
 /// The stream's sample order, with no I/O: shards' samples go in, in plan order, and come out
@@ -348,12 +449,16 @@ struct SampleOrder {
     /// Samples of the stream before the ones the reader brings (cut off unread), plus the
     /// ones it brought: the stream's length once the reader is done.
     counted: u64,
+    /// Samples still to give out, when the run ends before its stream does.
+    left: Option<u64>,
 }
 
 impl SampleOrder {
     /// Whether another shard's samples are needed before the next window can be cut.
     fn wants_more(&self) -> bool {
-        !self.done && (self.discard > 0 || self.loaded.len() < self.shuffle.next_len())
+        !self.done
+            && self.left != Some(0)
+            && (self.discard > 0 || self.loaded.len() < self.shuffle.next_len())
     }
 
     /// The next shard's samples, or `None` when the plan has no more shards.
@@ -383,7 +488,7 @@ impl SampleOrder {
 
     /// The next window, permuted; `None` at the end of the stream.
     fn next_window(&mut self) -> Option<VecDeque<Sample>> {
-        if self.loaded.is_empty() {
+        if self.loaded.is_empty() || self.left == Some(0) {
             return None;
         }
         let take = self.shuffle.next_len().min(self.loaded.len());
@@ -391,6 +496,10 @@ impl SampleOrder {
         self.shuffle.permute(&mut window);
         let mut window: VecDeque<Sample> = window.into();
         window.drain(..std::mem::take(&mut self.skip).min(window.len()));
+        if let Some(left) = self.left.as_mut() {
+            window.truncate((*left).min(window.len() as u64) as usize);
+            *left -= window.len() as u64;
+        }
         Some(window)
     }
 }
@@ -503,7 +612,18 @@ mod tests {
     /// What a stream delivers from `start`, as the pump orders it, with the reader replaced
     /// by samples named after their (shard, index).
     fn deliver(plan: &StreamPlan, counts: &[u64], window: usize, start: u64) -> Vec<String> {
-        let (pieces, mut order) = resume(plan.clone(), window, start);
+        deliver_run(plan, counts, window, start, None)
+    }
+
+    /// The same for a run that stops at `to`.
+    fn deliver_run(
+        plan: &StreamPlan,
+        counts: &[u64],
+        window: usize,
+        start: u64,
+        to: Option<u64>,
+    ) -> Vec<String> {
+        let (pieces, mut order) = resume(plan.clone(), window, start, to);
         let url: Arc<str> = Arc::from("u");
         let mut queue: VecDeque<Piece> = pieces.into();
         let mut out = Vec::new();
@@ -559,6 +679,16 @@ mod tests {
                 let full = deliver(&plan, &counts, window, 0);
                 if let Some(n) = plan.samples {
                     assert_eq!(full.len() as u64, n, "case {case}");
+                    // A run (an elastic resume's segment) is exactly that part of the stream.
+                    for _ in 0..10 {
+                        let to = rng.below(n + 1);
+                        let from = rng.below(to + 1);
+                        assert_eq!(
+                            deliver_run(&plan, &counts, window, from, Some(to)),
+                            full[from as usize..to as usize],
+                            "case {case} run {from}..{to}"
+                        );
+                    }
                 }
                 for start in 0..=full.len() {
                     assert_eq!(
@@ -581,7 +711,7 @@ mod tests {
                             "case {case} exact {exact} known {known} start {start}"
                         );
                         // Every count known: nothing before the window is read again.
-                        let (_, order) = resume(learnt.clone(), window, start as u64);
+                        let (_, order) = resume(learnt.clone(), window, start as u64, None);
                         if known == plan.pieces.len() {
                             assert_eq!(order.discard, 0, "case {case} start {start}");
                         }

@@ -1,4 +1,4 @@
-"""The client side of proto/PROTOCOL.md (version 3).
+"""The client side of proto/PROTOCOL.md (version 4).
 
 Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
 (keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
@@ -25,7 +25,7 @@ import time
 import weakref
 
 MAGIC = b"SHARDD"
-VERSION = 3
+VERSION = 4
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 
 KIND_REQUEST = 1
@@ -172,27 +172,42 @@ class Client:
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
 
-    def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0):
+    def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0,
+               resume_from=None):
         """Opens the stream of one (rank, worker) for one epoch and returns it as an iterator
         of sample dicts. Raises ``DaemonError`` at once if the daemon refuses the request.
 
         ``start`` resumes: the stream skips the first ``start`` samples it would have
         delivered and yields exactly the rest, in the same order (``Stream.position`` counts
-        from it)."""
+        from it).
+
+        ``resume_from`` (protocol 4, datasets with a manifest) is an *elastic* resume: the rest
+        of ``epoch`` after a checkpoint taken at another topology, as a dict ``{"hosts",
+        "world_size", "num_workers", "positions"}`` (the old job's host count, world size and
+        workers per rank, and the samples each worker's stream had delivered, by worker
+        index; in a synchronous job every rank's are the same), plus ``"from"``, the old
+        streams' own ``resume_from`` when the checkpoint was taken during an elastic epoch.
+        The new streams read what the old ones had not, exactly once, as many samples on every
+        rank; ``start`` then counts samples of the new stream."""
         request = _request("stream", dataset, epoch, rank, world_size, seed, worker, num_workers)
         request["start"] = int(start)
+        if resume_from is not None:
+            request["resume_from"] = _origin(resume_from)
         s = Stream(self.socket_path, request, self.timeout, self._open.discard,
                    self.reconnect_timeout)
         self._open.add(s)
         return s
 
-    def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1):
+    def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1,
+             resume_from=None):
         """The START of the stream ``stream()`` would open with the same arguments, without
         opening it: the daemon registers no schedule and loads nothing (protocol 3, op
         ``plan``). Returns START's fields as a dict: ``dataset``, ``shards``, ``samples``
         (None without a manifest), ``position``, ``dropped``, ``fingerprint``, ... Waits for a
         restarting daemon like ``stream()``; a refused request raises ``DaemonError``."""
         request = _request("plan", dataset, epoch, rank, world_size, seed, worker, num_workers)
+        if resume_from is not None:
+            request["resume_from"] = _origin(resume_from)
         with Stream(self.socket_path, request, self.timeout, None, self.reconnect_timeout) as s:
             for _ in s:
                 raise ProtocolError(f"the daemon at {self.socket_path} sent samples for a plan "
@@ -210,6 +225,15 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _origin(o):
+    """A ``resume_from`` dict as the protocol spells it (PROTOCOL.md, "Elastic resume")."""
+    out = {"hosts": int(o["hosts"]), "world_size": int(o["world_size"]),
+           "num_workers": int(o["num_workers"]), "positions": [int(p) for p in o["positions"]]}
+    if o.get("from") is not None:
+        out["from"] = _origin(o["from"])
+    return out
 
 
 def _request(op, dataset, epoch, rank, world_size, seed, worker, num_workers):
