@@ -114,3 +114,70 @@ def test_bad_elastic_requests_are_refused_clearly(make_daemon, fake_gcs, manifes
         assert "past the end of its old stream" in str(e)
         e = refused("exact", {"hosts": 2, "world_size": 3, "num_workers": 1, "positions": [0]})
         assert "not divisible" in str(e)
+
+
+# -- shardd.torch and torchdata's StatefulDataLoader ---------------------------------------------
+
+BATCH = 5
+
+
+def torch_loader(socket, rank, world_size, num_workers, **kw):
+    import shardd.torch as st
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = st.ShardDataset("exact", socket=socket, rank=rank, world_size=world_size, seed=SEED,
+                         check_plan=False, **kw)
+    if "resume_from" not in kw:
+        ds.set_epoch(EPOCH)
+    loader = StatefulDataLoader(ds, batch_size=BATCH, num_workers=num_workers,
+                                collate_fn=lambda b: [(s["__url__"], s["__key__"]) for s in b])
+    return ds, loader
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("new", [(1, 2, 1), (4, 1, 2)], ids=["1x2x1", "4x1x2"])
+def test_a_torch_job_resized_mid_epoch_reads_the_rest_once(make_daemon, fake_gcs, manifest, new):
+    """2 hosts × 2 ranks × 2 workers take 6 batches each and checkpoint; the job resumes on
+    another topology from rank 0's StatefulDataLoader state alone, reads the rest of the epoch
+    exactly once (equal on every rank), checkpoints and resumes again at the new topology, and
+    then reads the next epoch as a normal epoch of the new topology."""
+    old = hosts(make_daemon, fake_gcs, manifest, 2, "old")
+    everything = collections.Counter(k for keys, _ in read_job(old, 4, 2).values() for k in keys)
+    consumed, states = [], []
+    for rank in range(4):
+        _, loader = torch_loader(old[rank // 2].socket, rank, 4, 2)
+        it = iter(loader)
+        for _ in range(6):
+            consumed.extend(next(it))
+        states.append(loader.state_dict())
+        del it
+    h, ranks, workers = new
+    daemons = hosts(make_daemon, fake_gcs, manifest, h, f"new{h}-")
+    rest, per_rank = [], {}
+    for rank in range(h * ranks):
+        socket = daemons[rank // ranks].socket
+        ds, loader = torch_loader(socket, rank, h * ranks, workers, resume_from=states[0])
+        assert ds.epoch == EPOCH
+        expected = ds.epoch_length(num_workers=workers)
+        it = iter(loader)
+        head = [k for _ in range(3) for k in next(it)]
+        saved = loader.state_dict()
+        del it
+        # A checkpoint at the new topology resumes there as usual (a fresh dataset, no
+        # resume_from: the state carries it).
+        ds2, again = torch_loader(socket, rank, h * ranks, workers)
+        again.load_state_dict(saved)
+        tail = [k for batch in again for k in batch]
+        per_rank[rank] = len(head) + len(tail)
+        assert per_rank[rank] == expected
+        rest.extend(head + tail)
+        # The next epoch is a normal one of the new topology.
+        ds2.set_epoch(EPOCH + 1)
+        nxt = [k for batch in again for k in batch]
+        _, fresh = torch_loader(socket, rank, h * ranks, workers)
+        fresh.dataset.set_epoch(EPOCH + 1)
+        assert nxt == [k for batch in fresh for k in batch]
+    assert len(set(per_rank.values())) == 1, per_rank
+    got = collections.Counter(consumed + rest)
+    assert max(got.values()) == 1 and not got - everything
+    assert sum((everything - got).values()) < h * ranks
