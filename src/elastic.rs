@@ -565,6 +565,43 @@ mod tests {
         }
     }
 
+    /// Golden vector: an elastic resume's segments are a contract like any plan (a change is
+    /// a protocol-level change).
+    #[test]
+    fn golden_split() {
+        let counts = [5, 9, 3, 12, 7, 1, 8];
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(counts.len())
+        };
+        let origin = Origin {
+            hosts: 2,
+            world_size: 4,
+            num_workers: 2,
+            positions: vec![3, 1],
+            from: None,
+        };
+        let host = Topology { index: 0, count: 1 };
+        let req = StreamRequest {
+            seed: 7,
+            epoch: 3,
+            rank: 1,
+            world_size: 3,
+            worker: 0,
+            num_workers: 1,
+        };
+        let p = plan(shape, host, &req, &origin).unwrap();
+        let pinned: Vec<(u32, u32, u32, u64, u64)> = p
+            .segments
+            .iter()
+            .map(|s| (s.host.index, s.req.rank, s.req.worker, s.from, s.to))
+            .collect();
+        assert_eq!(pinned, GOLDEN_SEGMENTS);
+        assert_eq!((p.samples, p.remainder, p.dropped), (8, 24, 0));
+    }
+    const GOLDEN_SEGMENTS: [(u32, u32, u32, u64, u64); 3] =
+        [(0, 1, 1, 1, 5), (1, 2, 0, 3, 5), (1, 2, 1, 1, 3)];
+
     #[test]
     fn bad_origins_are_refused_with_what_is_wrong() {
         let counts = vec![10u64; 4];

@@ -670,6 +670,53 @@ mod tests {
         vec![piece(0, 1, 5), piece(1, 0, 1)]
     }
 
+    /// Resampled streams: exactly `samples_per_epoch` samples, drawn from the host's own
+    /// share only, deterministic, other draws every epoch and stream; pinned by a golden vector.
+    #[test]
+    fn resampled_streams_draw_from_the_host_share_with_exact_length() {
+        let counts = [5, 9, 3, 12, 7, 1, 8];
+        let shape = |spe| Shape {
+            counts: Some(&counts),
+            samples_per_epoch: Some(spe),
+            resampled: true,
+            ..Shape::shards(counts.len())
+        };
+        let topo = Topology { index: 1, count: 2 };
+        let share: Vec<(usize, u64)> = {
+            let (pieces, _) = host_pieces(&counts, 0, topo);
+            pieces
+                .iter()
+                .flat_map(|p| (p.start..p.end.unwrap()).map(move |i| (p.shard, i)))
+                .collect()
+        };
+        for spe in [1, 7, 100] {
+            for epoch in 0..3 {
+                let p = plan_stream(shape(spe), topo, &req(7, epoch, 3, 4, 1, 2)).unwrap();
+                let got = samples_of(&p);
+                assert_eq!((got.len() as u64, p.samples), (spe, Some(spe)));
+                assert!(got.iter().all(|s| share.contains(s)), "{got:?}");
+                assert_eq!(
+                    p,
+                    plan_stream(shape(spe), topo, &req(7, epoch, 3, 4, 1, 2)).unwrap()
+                );
+                if spe == 100 {
+                    let other = plan_stream(shape(spe), topo, &req(7, epoch + 1, 3, 4, 1, 2));
+                    assert_ne!(p.pieces, other.unwrap().pieces);
+                    let worker = plan_stream(shape(spe), topo, &req(7, epoch, 3, 4, 0, 2));
+                    assert_ne!(p.pieces, worker.unwrap().pieces);
+                }
+            }
+        }
+        let p = plan_stream(shape(20), topo, &req(7, 3, 3, 4, 1, 2)).unwrap();
+        let pinned: Vec<(usize, u64, u64)> = p
+            .pieces
+            .iter()
+            .map(|x| (x.shard, x.start, x.end.unwrap()))
+            .collect();
+        assert_eq!(pinned, GOLDEN_RESAMPLED);
+    }
+    const GOLDEN_RESAMPLED: [(usize, u64, u64); 3] = [(6, 0, 8), (6, 0, 8), (6, 0, 4)];
+
     /// A random dataset shape and topology, from a seed.
     fn random_case(case: u64) -> (Vec<u64>, u32, u32, u32, u64) {
         let mut r = SplitMix64::new(case);

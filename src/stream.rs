@@ -181,7 +181,9 @@ async fn serve_from(
         let later = &job.runs[k + 1..];
         let counts = if k == 0 { &mut *counts } else { &mut [] };
         let at = run.from + position;
-        if let Leg::Parked = serve_run(ctx, job, run, at, later, opened, sock, sink, end, counts).await? {
+        if let Leg::Parked =
+            serve_run(ctx, job, run, at, later, opened, sock, sink, end, counts).await?
+        {
             return Ok(Leg::Parked);
         }
         position = 0;
