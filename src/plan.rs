@@ -152,6 +152,9 @@ pub struct StreamPlan {
     pub samples: Option<u64>,
     /// Samples this host leaves out this epoch so that every stream gets as many.
     pub dropped: u64,
+    /// The pass over the host's share this stream starts in (sample-level mode; with
+    /// `samples_per_epoch` an epoch may start in a later pass).
+    pub pass: u64,
 }
 
 impl StreamPlan {
@@ -190,6 +193,7 @@ pub fn plan_stream(
             stream_key,
             samples: None,
             dropped: 0,
+            pass: 0,
         }),
         Some(counts) => plan_samples(counts, shape, host, req, local_rank, stream_key),
     }
@@ -333,6 +337,7 @@ fn plan_samples(
         stream_key,
         samples: Some(per_stream as u64),
         dropped: dropped as u64,
+        pass: (from / here.max(1)) as u64,
     })
 }
 
@@ -384,6 +389,7 @@ fn plan_resampled(
         stream_key,
         samples: Some(want),
         dropped: 0,
+        pass: 0,
     })
 }
 

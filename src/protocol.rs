@@ -116,6 +116,19 @@ pub struct Start {
     /// `dropped`, job-wide too, are left out so that every rank gets as many). Version 4.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remainder: Option<u64>,
+    /// A mix's sources: how many samples of each this stream carries this epoch and which
+    /// pass over the source's host share it starts in. Version 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sources: Option<Vec<SourceStart>>,
+}
+
+/// One source of a mixed stream, in START.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SourceStart {
+    pub dataset: String,
+    pub weight: u64,
+    pub samples: u64,
+    pub pass: u64,
 }
 
 /// END (daemon → client): the stream is complete.

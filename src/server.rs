@@ -232,26 +232,38 @@ async fn serve(
 
 /// An accepted request: its plan and the START frame that says so.
 struct Planned {
-    runs: Vec<stream::Run>,
-    /// Shards the same stream reads next epoch, for the prefetcher.
-    next_epoch: Vec<usize>,
+    lanes: Vec<PlannedLane>,
+    mix: Option<stream::Interleave>,
     start: Start,
+}
+
+/// What a stream reads of one dataset (of a mix's sources, one of them).
+struct PlannedLane {
+    dataset: String,
+    runs: Vec<stream::Run>,
+    /// Shards the same stream reads of it next epoch, for the prefetcher.
+    next_epoch: Vec<usize>,
 }
 
 /// Checks a request against the config and plans it; a refusal names what is wrong.
 async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Refusal> {
     let config = &daemon.config;
-    let dataset = config.datasets.get(&req.dataset).ok_or_else(|| {
-        let known: Vec<&str> = config.datasets.keys().map(String::as_str).collect();
-        refuse(
+    if !config.datasets.contains_key(&req.dataset) && !config.mixes.contains_key(&req.dataset) {
+        let known: Vec<&str> = config
+            .datasets
+            .keys()
+            .chain(config.mixes.keys())
+            .map(String::as_str)
+            .collect();
+        return Err(refuse(
             "unknown_dataset",
             format!(
                 "unknown dataset {:?}; this daemon serves: {}",
                 req.dataset,
                 known.join(", ")
             ),
-        )
-    })?;
+        ));
+    }
     let stream_req = stream_request(req);
     let planned = plan_off_runtime(
         daemon,
@@ -275,26 +287,25 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
         ));
     }
     let start = Start {
-        dataset: dataset.name.clone(),
-        shards: planned.runs.iter().map(|r| r.plan.pieces.len()).sum(),
+        dataset: req.dataset.clone(),
+        shards: planned
+            .lanes
+            .iter()
+            .flat_map(|l| &l.runs)
+            .map(|r| r.plan.pieces.len())
+            .sum(),
         host: config.host.index,
         hosts: config.host.count,
         samples: planned.samples,
         position: req.start,
         dropped: planned.dropped,
-        fingerprint: fingerprint(
-            dataset,
-            config,
-            &stream_req,
-            // An elastic epoch's workers may differ by a sample; its origin fixes them all.
-            planned.samples.filter(|_| req.resume_from.is_none()),
-            req.resume_from.as_ref(),
-        ),
+        fingerprint: planned.fingerprint.clone(),
         remainder: planned.remainder,
+        sources: planned.sources.clone(),
     };
     Ok(Planned {
-        runs: planned.runs,
-        next_epoch: planned.next_epoch,
+        lanes: planned.lanes,
+        mix: planned.mix,
         start,
     })
 }
@@ -339,10 +350,10 @@ async fn run_stream(
     planned: Planned,
     span: &tracing::Span,
 ) -> Outcome {
-    let dataset = &daemon.config.datasets[&req.dataset];
+    let config = &daemon.config;
     let _active = Active::new(&daemon.streams.metrics.streams_active);
     let registered = daemon.board.register(
-        &dataset.name,
+        &req.dataset,
         req.epoch,
         req.rank,
         req.worker,
@@ -351,18 +362,25 @@ async fn run_stream(
     );
     let mut sink = Sink::new();
     let job = stream::Job {
-        dataset,
-        runs: planned.runs,
+        lanes: planned
+            .lanes
+            .into_iter()
+            .map(|l| stream::Lane {
+                dataset: &config.datasets[&l.dataset],
+                runs: l.runs,
+                next_epoch: l.next_epoch,
+            })
+            .collect(),
+        mix: planned.mix,
         start: req.start,
         id: StreamId {
-            dataset: dataset.name.clone(),
+            dataset: req.dataset.clone(),
             seed: req.seed,
             rank: req.rank,
             world_size: req.world_size,
             worker: req.worker,
             num_workers: req.num_workers,
         },
-        next_epoch: planned.next_epoch,
         live: &registered.live,
         shutdown,
     };
@@ -448,18 +466,21 @@ fn report(
 
 /// What planning a request gives.
 struct Plan {
-    runs: Vec<stream::Run>,
-    next_epoch: Vec<usize>,
+    lanes: Vec<PlannedLane>,
+    mix: Option<stream::Interleave>,
     samples: Option<u64>,
     dropped: u64,
     remainder: Option<u64>,
+    sources: Option<Vec<protocol::SourceStart>>,
+    fingerprint: String,
 }
 
 /// Plans the stream's epoch (or, with `resume_from`, the rest of it after a checkpoint at
-/// another topology: runs of the old streams) and, for the prefetcher, the shards of the same
-/// stream's next epoch (none past the last epoch or when it cannot be planned). Planning
-/// walks the host's share, O(shards), so it runs on the blocking pool: a client asking for a
-/// large dataset must not hold up the runtime threads every other stream is served from.
+/// another topology: runs of the old streams; for a mix, each source's stream) and, for the
+/// prefetcher, the shards of the same stream's next epoch (none past the last epoch or when
+/// it cannot be planned). Planning walks the host's share, O(shards), so it runs on the
+/// blocking pool: a client asking for a large dataset must not hold up the runtime threads
+/// every other stream is served from.
 async fn plan_off_runtime(
     daemon: &Arc<Daemon>,
     dataset: &str,
@@ -470,55 +491,140 @@ async fn plan_off_runtime(
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
     let work = move || {
-        let (config, d) = (&daemon.config, &daemon.config.datasets[&dataset]);
-        let mut planned = match &resume_from {
-            None => {
-                let plan = plan::plan_stream(d.shape(), config.host, &req)?;
-                Plan {
-                    samples: plan.samples,
-                    dropped: plan.dropped,
-                    remainder: None,
-                    runs: vec![stream::Run::whole(plan)],
-                    next_epoch: Vec::new(),
-                }
-            }
-            Some(origin) => {
-                let e = crate::elastic::plan(d.shape(), config.host, &req, origin)?;
-                let runs = e
-                    .segments
-                    .iter()
-                    .map(|s| {
-                        Ok(stream::Run {
-                            plan: plan::plan_stream(d.shape(), s.host, &s.req)?,
-                            from: s.from,
-                            to: Some(s.to),
-                        })
-                    })
-                    .collect::<Result<_, plan::PlanError>>()?;
-                Plan {
-                    runs,
-                    next_epoch: Vec::new(),
-                    samples: Some(e.samples),
-                    dropped: e.dropped,
-                    remainder: Some(e.remainder),
-                }
-            }
-        };
-        planned.next_epoch = req
-            .epoch
-            .checked_add(1)
-            .filter(|_| with_next)
-            .and_then(|epoch| {
-                let next = StreamRequest { epoch, ..req };
-                plan::plan_stream(d.shape(), config.host, &next).ok()
-            })
-            .map(|p| p.shards().collect())
-            .unwrap_or_default();
-        Ok(planned)
+        let config = &daemon.config;
+        match config.mixes.get(&dataset) {
+            Some(mix) => plan_mix(config, mix, req, resume_from.as_ref(), with_next),
+            None => plan_dataset(config, &dataset, req, resume_from.as_ref(), with_next),
+        }
     };
     tokio::task::spawn_blocking(work)
         .await
         .expect("planning does not panic")
+}
+
+fn plan_dataset(
+    config: &Config,
+    name: &str,
+    req: StreamRequest,
+    resume_from: Option<&crate::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, plan::PlanError> {
+    let d = &config.datasets[name];
+    let shape = d.shape();
+    let (runs, samples, dropped, remainder) = match resume_from {
+        None => {
+            let plan = plan::plan_stream(shape, config.host, &req)?;
+            let (samples, dropped) = (plan.samples, plan.dropped);
+            (vec![stream::Run::whole(plan)], samples, dropped, None)
+        }
+        Some(origin) => {
+            let e = crate::elastic::plan(shape, config.host, &req, origin)?;
+            let runs = e
+                .segments
+                .iter()
+                .map(|s| {
+                    Ok(stream::Run {
+                        plan: plan::plan_stream(shape, s.host, &s.req)?,
+                        from: s.from,
+                        to: Some(s.to),
+                    })
+                })
+                .collect::<Result<_, plan::PlanError>>()?;
+            (runs, Some(e.samples), e.dropped, Some(e.remainder))
+        }
+    };
+    // An elastic epoch's workers may differ by a sample; its origin fixes them all.
+    let fingerprint = fingerprint(
+        d,
+        config,
+        &req,
+        samples.filter(|_| resume_from.is_none()),
+        resume_from,
+    );
+    Ok(Plan {
+        lanes: vec![PlannedLane {
+            dataset: name.to_owned(),
+            runs,
+            next_epoch: next_epoch(config, shape, req, with_next),
+        }],
+        mix: None,
+        samples,
+        dropped,
+        remainder,
+        sources: None,
+        fingerprint,
+    })
+}
+
+/// A mix's stream: each source's own stream of its quota (`samples_per_epoch` = the quota,
+/// keyed apart), interleaved by the mix's order keyed (seed, epoch, stream).
+fn plan_mix(
+    config: &Config,
+    m: &crate::config::MixDataset,
+    req: StreamRequest,
+    resume_from: Option<&crate::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, plan::PlanError> {
+    if resume_from.is_some() {
+        return Err(plan::PlanError::BadOrigin(
+            "an elastic resume of a mix is not supported yet: resume it at its own topology"
+                .into(),
+        ));
+    }
+    let weights: Vec<u64> = m.sources.iter().map(|s| s.1).collect();
+    let mix = crate::mix::Mix::new(&weights, m.samples_per_epoch)
+        .expect("the config checked the mix");
+    let mut lanes = Vec::new();
+    let mut sources = Vec::new();
+    let mut key = 0;
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    for (i, ((name, weight), &quota)) in m.sources.iter().zip(mix.quotas()).enumerate() {
+        let d = &config.datasets[name];
+        let shape = plan::Shape {
+            samples_per_epoch: Some(quota),
+            ..d.shape()
+        };
+        let mut plan = plan::plan_stream(shape, config.host, &req)?;
+        key = plan.stream_key;
+        plan.stream_key = crate::shuffle::key(&[crate::shuffle::tag::MIX_SOURCE, key, i as u64]);
+        sources.push(protocol::SourceStart {
+            dataset: name.clone(),
+            weight: *weight,
+            samples: quota,
+            pass: plan.pass,
+        });
+        h.update(fingerprint(d, config, &req, Some(quota), None));
+        h.update(weight.to_le_bytes());
+        lanes.push(PlannedLane {
+            dataset: name.clone(),
+            runs: vec![stream::Run::whole(plan)],
+            next_epoch: next_epoch(config, shape, req, with_next),
+        });
+    }
+    Ok(Plan {
+        lanes,
+        mix: Some(stream::Interleave { mix, key }),
+        samples: Some(m.samples_per_epoch),
+        dropped: 0,
+        remainder: None,
+        sources: Some(sources),
+        fingerprint: hex::encode(&h.finalize()[..8]),
+    })
+}
+
+/// The shards the same stream reads next epoch (none past the last epoch, or when it cannot
+/// be planned, or for a plan request).
+fn next_epoch(config: &Config, shape: plan::Shape, req: StreamRequest, with_next: bool) -> Vec<usize> {
+    req.epoch
+        .checked_add(1)
+        .filter(|_| with_next)
+        .and_then(|epoch| {
+            let next = StreamRequest { epoch, ..req };
+            plan::plan_stream(shape, config.host, &next).ok()
+        })
+        .map(|p| p.shards().collect())
+        .unwrap_or_default()
 }
 
 /// Reads the client's preamble and REQUEST, answering with ours in between.

@@ -25,7 +25,7 @@ use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::cache::{Cache, FetchError};
+use crate::cache::{Cache, FetchError, ShardBytes};
 use crate::config::Dataset;
 use crate::metrics::{Active, Metrics};
 use crate::plan::{Piece, StreamPlan};
@@ -88,20 +88,38 @@ impl Run {
     }
 }
 
-/// One stream to serve.
-pub struct Job<'a> {
+/// What a stream reads of one dataset: runs of its streams, in order.
+pub struct Lane<'a> {
     pub dataset: &'a Dataset,
     pub runs: Vec<Run>,
+    /// The shards the same stream reads of it next epoch (dataset indices), for the
+    /// prefetcher.
+    pub next_epoch: Vec<usize>,
+}
+
+/// One stream to serve.
+pub struct Job<'a> {
+    /// One lane, or a mix's sources (interleaved by `mix`).
+    pub lanes: Vec<Lane<'a>>,
+    pub mix: Option<Interleave>,
     /// Stream position to start from (samples an earlier connection delivered).
     pub start: u64,
-    /// Who the stream is, for the prefetcher's schedules.
+    /// Who the stream is, for the prefetcher's schedules (each lane under its dataset).
     pub id: StreamId,
-    /// The shards the same stream reads next epoch (dataset indices), for the prefetcher.
-    pub next_epoch: Vec<usize>,
     /// Its entry on the status board.
     pub live: &'a Live,
     /// Stops the stream at its next frame boundary.
     pub shutdown: &'a CancellationToken,
+}
+
+/// The field naming a mixed stream's source, in every sample of a mix.
+static SOURCE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("__source__"));
+
+/// Which lane each position of a mixed stream takes its sample from.
+pub struct Interleave {
+    pub mix: crate::mix::Mix,
+    /// Keys the order: (seed, epoch, stream).
+    pub key: u64,
 }
 
 /// What every stream shares.
@@ -131,7 +149,7 @@ pub async fn pump(
     let opened = Instant::now();
     // Sample counts of the pieces read so far, where the plan has none (no manifest): a
     // stream resumed after a park skips them unread, as with a manifest.
-    let mut counts = vec![None; job.runs.first().map_or(0, |r| r.plan.pieces.len())];
+    let mut counts = vec![None; job.lanes[0].runs.first().map_or(0, |r| r.plan.pieces.len())];
     while let Leg::Parked = serve_from(ctx, &job, opened, sock, sink, &mut end, &mut counts).await?
     {
         park(ctx, &job, sock).await?;
@@ -158,8 +176,11 @@ enum Leg {
 }
 
 /// Serves the stream from where it is (`job.start` + the samples of whole frames sent, in
-/// `end`) until it is complete or its client pauses: the rest of the run that holds that
-/// position, then the runs after it.
+/// `end`) until it is complete or its client pauses. Everything it holds (shards, samples,
+/// the schedules) is dropped when it returns.
+///
+/// Frames are cut from the stream's sample sequence alone (a frame's worth of bytes or
+/// samples from its position), so a frame cut by a park is encoded the same again.
 async fn serve_from(
     ctx: &StreamContext,
     job: &Job<'_>,
@@ -169,105 +190,228 @@ async fn serve_from(
     end: &mut End,
     counts: &mut [Option<u64>],
 ) -> Result<Leg, StreamError> {
-    let mut position = job.start + end.samples;
-    for (k, run) in job.runs.iter().enumerate() {
-        if let Some(len) = run.len()
-            && position >= len
-            && k + 1 < job.runs.len()
-        {
-            position -= len;
-            continue;
+    let position = job.start + end.samples;
+    let (positions, mut cursor) = match &job.mix {
+        None => (vec![position], None),
+        Some(m) => (
+            m.mix.counts_at(m.key, position),
+            Some(m.mix.cursor(m.key, position)),
+        ),
+    };
+    let mut counts = Some(counts);
+    let mut lanes: Vec<LaneReader> = job
+        .lanes
+        .iter()
+        .zip(positions)
+        .map(|(lane, at)| {
+            let counts = if job.lanes.len() == 1 { counts.take() } else { None };
+            LaneReader::new(ctx, job, lane, at, counts.unwrap_or(&mut []))
+        })
+        .collect();
+    let mut out: VecDeque<Sample> = VecDeque::new();
+    // The lane of each sample in `out`, for the per-dataset counters.
+    let mut out_lanes: VecDeque<usize> = VecDeque::new();
+    let mut out_bytes = 0usize;
+    // A mix's next source, drawn but not yet taken.
+    let mut pending: Option<usize> = None;
+    loop {
+        while out.len() < protocol::BATCH_MAX_SAMPLES && out_bytes < protocol::BATCH_TARGET_BYTES {
+            let i = match (cursor.as_mut(), pending) {
+                (None, _) => 0,
+                (Some(_), Some(i)) => i,
+                (Some(c), None) => match c.next() {
+                    Some(i) => i,
+                    None => break,
+                },
+            };
+            // A frame ends where the next sample's window is not cut yet: the client gets
+            // what is ready without waiting for more shards (and where a frame ends is a
+            // function of the position alone, so a park re-encodes it the same).
+            if !out.is_empty() && !lanes[i].has_window() {
+                pending = Some(i);
+                break;
+            }
+            pending = None;
+            match lanes[i].next_sample(job).await? {
+                Some(sample) => {
+                    out_bytes += sample.payload_len();
+                    out.push_back(sample);
+                    out_lanes.push_back(i);
+                }
+                None if cursor.is_none() => break,
+                None => {
+                    return Err(StreamError::Internal(format!(
+                        "mix source {} ended before its quota",
+                        job.lanes[i].dataset.name
+                    )));
+                }
+            }
         }
-        let later = &job.runs[k + 1..];
-        let counts = if k == 0 { &mut *counts } else { &mut [] };
-        let at = run.from + position;
-        if let Leg::Parked =
-            serve_run(ctx, job, run, at, later, opened, sock, sink, end, counts).await?
-        {
-            return Ok(Leg::Parked);
+        if out.is_empty() {
+            return Ok(Leg::Done);
         }
-        position = 0;
+        if job.shutdown.is_cancelled() {
+            return Err(StreamError::Shutdown);
+        }
+        let (parts, sent) = protocol::encode_batch(&mut out).map_err(StreamError::Encode)?;
+        let sending = Instant::now();
+        job.live.waiting(Waiting::Client);
+        let send = sink.send(sock, &parts, ctx.stall_timeout);
+        let (sent_result, failed) = loading_ahead(send, &mut lanes).await;
+        // Time in the send is time the client had data waiting (the socket was full).
+        job.live.waiting(Waiting::Nothing);
+        let lane0 = &lanes[0].series;
+        lane0.client_wait.inc_by(sending.elapsed().as_secs_f64());
+        match sent_result {
+            Ok(()) => {}
+            // A load that failed meanwhile fails again after the resume, if it still does.
+            Err(SendError::Stalled(_)) => return Ok(Leg::Parked),
+            Err(e) => return Err(send_failed(e)),
+        }
+        if end.samples == 0 {
+            lane0.first_sample.observe(opened.elapsed().as_secs_f64());
+        }
+        let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
+        out_bytes -= bytes as usize;
+        end.samples += sent.len() as u64;
+        end.bytes += bytes;
+        for (sample, i) in sent.iter().zip(out_lanes.drain(..sent.len())) {
+            // Per dataset: a mix's sources each count their own.
+            lanes[i].series.samples_sent.inc();
+            lanes[i].series.bytes_sent.inc_by(sample.payload_len() as u64);
+        }
+        job.live.sent(sent.len() as u64, bytes);
+        if let Some(e) = failed {
+            return Err(e);
+        }
     }
-    Ok(Leg::Done)
 }
 
-/// Serves `run` from its base position `at` to its end. Everything it holds (shards,
-/// samples, the schedule) is dropped when it returns.
-#[allow(clippy::too_many_arguments)]
-async fn serve_run(
-    ctx: &StreamContext,
-    job: &Job<'_>,
-    run: &Run,
+/// One lane being read: the run that holds its position, then the runs after it, each
+/// through its own shard reader and window order.
+struct LaneReader<'a> {
+    ctx: &'a StreamContext,
+    lane: &'a Lane<'a>,
+    /// The run being read, and its reader and order.
+    run: usize,
     at: u64,
-    later: &[Run],
-    opened: Instant,
-    sock: &UnixStream,
-    sink: &mut Sink,
-    end: &mut End,
-    counts: &mut [Option<u64>],
-) -> Result<Leg, StreamError> {
-    let dataset = job.dataset;
+    reader: ShardReader<'a>,
+    order: SampleOrder,
+    window: VecDeque<Sample>,
+    series: Series,
+}
+
+impl<'a> LaneReader<'a> {
+    /// Starts `lane` at its position `at` (samples of the lane before it).
+    fn new(
+        ctx: &'a StreamContext,
+        job: &Job<'a>,
+        lane: &'a Lane<'a>,
+        mut at: u64,
+        counts: &'a mut [Option<u64>],
+    ) -> LaneReader<'a> {
+        let mut run = 0;
+        while let Some(len) = lane.runs.get(run).and_then(Run::len)
+            && at >= len
+            && run + 1 < lane.runs.len()
+        {
+            at -= len;
+            run += 1;
+        }
+        let from = lane.runs.get(run).map_or(0, |r| r.from) + at;
+        let (reader, order) = open_run(ctx, job, lane, run, from, counts);
+        LaneReader {
+            ctx,
+            lane,
+            run,
+            at: from,
+            reader,
+            order,
+            window: VecDeque::new(),
+            series: Series::new(&ctx.metrics, &lane.dataset.name),
+        }
+    }
+
+    /// Whether a sample is ready without cutting another window.
+    fn has_window(&self) -> bool {
+        !self.window.is_empty()
+    }
+
+    /// The lane's next sample, waiting for shards; `None` after its last run.
+    async fn next_sample(&mut self, job: &Job<'a>) -> Result<Option<Sample>, StreamError> {
+        loop {
+            if let Some(mut sample) = self.window.pop_front() {
+                if job.mix.is_some() {
+                    // A mix's samples say which source they are (webdataset-style metadata).
+                    let name = Bytes::copy_from_slice(self.lane.dataset.name.as_bytes());
+                    sample.fields.push((SOURCE.clone(), ShardBytes::heap(name)));
+                }
+                return Ok(Some(sample));
+            }
+            fill(&mut self.order, &mut self.reader, job, &self.series).await?;
+            if let Some(window) = self.order.next_window() {
+                self.window = window;
+                continue;
+            }
+            let Some(run) = self.lane.runs.get(self.run) else {
+                return Ok(None);
+            };
+            if run.to.is_none() {
+                self.order.check_reached(self.at)?;
+            }
+            self.run += 1;
+            let Some(next) = self.lane.runs.get(self.run) else {
+                return Ok(None);
+            };
+            (self.reader, self.order) =
+                open_run(self.ctx, job, self.lane, self.run, next.from, &mut []);
+            self.at = next.from;
+        }
+    }
+}
+
+/// A reader and an order for run `k` of `lane` from its base position `from`, with the
+/// prefetch schedule of everything the lane reads from there.
+fn open_run<'a>(
+    ctx: &'a StreamContext,
+    job: &Job<'a>,
+    lane: &'a Lane<'a>,
+    k: usize,
+    from: u64,
+    counts: &'a mut [Option<u64>],
+) -> (ShardReader<'a>, SampleOrder) {
+    let window = lane.dataset.shuffle_buffer;
+    let Some(run) = lane.runs.get(k) else {
+        // A lane with no run (an empty stream): nothing to read.
+        let order = resume(
+            crate::plan::StreamPlan {
+                pieces: Vec::new(),
+                stream_key: 0,
+                samples: Some(0),
+                dropped: 0,
+                pass: 0,
+            },
+            window,
+            0,
+            None,
+        )
+        .1;
+        let schedule = open_schedule(ctx, job, lane, std::iter::empty());
+        return (ShardReader::new(ctx, lane.dataset, Vec::new(), 0, schedule, counts), order);
+    };
     let mut plan = run.plan.clone();
     for (piece, count) in plan.pieces.iter_mut().zip(counts.iter()) {
         piece.end = piece.end.or(*count);
     }
     let total = plan.pieces.len();
-    let (pieces, mut order) = resume(plan, dataset.shuffle_buffer, at, run.to);
-    let upcoming = later
+    let (pieces, order) = resume(plan, window, from, run.to);
+    let upcoming = lane.runs[k + 1..]
         .iter()
-        .flat_map(|r| resume(r.plan.clone(), dataset.shuffle_buffer, r.from, r.to).0);
-    let schedule = open_schedule(ctx, job, pieces.iter().copied().chain(upcoming));
-    let mut reader = ShardReader {
-        cache: &ctx.cache,
-        dataset,
-        schedule,
-        returned: total - pieces.len(),
-        queue: pieces.into(),
-        current: None,
-        next: None,
-        counts,
-    };
-    let series = Series::new(&ctx.metrics, &dataset.name);
-    loop {
-        fill(&mut order, &mut reader, job, &series).await?;
-        let Some(mut window) = order.next_window() else {
-            if run.to.is_none() {
-                order.check_reached(at)?;
-            }
-            return Ok(Leg::Done);
-        };
-        while !window.is_empty() {
-            if job.shutdown.is_cancelled() {
-                return Err(StreamError::Shutdown);
-            }
-            let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
-            let sending = Instant::now();
-            job.live.waiting(Waiting::Client);
-            let send = sink.send(sock, &parts, ctx.stall_timeout);
-            let (sent_result, failed) = loading_ahead(send, &mut order, &mut reader).await;
-            // Time in the send is time the client had data waiting (the socket was full).
-            job.live.waiting(Waiting::Nothing);
-            series.client_wait.inc_by(sending.elapsed().as_secs_f64());
-            match sent_result {
-                Ok(()) => {}
-                // A load that failed meanwhile fails again after the resume, if it still does.
-                Err(SendError::Stalled(_)) => return Ok(Leg::Parked),
-                Err(e) => return Err(send_failed(e)),
-            }
-            if end.samples == 0 {
-                series.first_sample.observe(opened.elapsed().as_secs_f64());
-            }
-            let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
-            end.samples += sent.len() as u64;
-            end.bytes += bytes;
-            series.samples_sent.inc_by(sent.len() as u64);
-            series.bytes_sent.inc_by(bytes);
-            job.live.sent(sent.len() as u64, bytes);
-            if let Some(e) = failed {
-                return Err(e);
-            }
-        }
-    }
+        .flat_map(|r| resume(r.plan.clone(), window, r.from, r.to).0);
+    let schedule = open_schedule(ctx, job, lane, pieces.iter().copied().chain(upcoming));
+    let returned = total - pieces.len();
+    let reader = ShardReader::new(ctx, lane.dataset, pieces, returned, schedule, counts);
+    (reader, order)
 }
 
 /// A stream's per-dataset series, looked up once.
@@ -313,23 +457,24 @@ async fn fill(
     Ok(())
 }
 
-/// Runs `send` (one frame) while loading the next window's shards, so that a window boundary
+/// Runs `send` (one frame) while loading the lanes' next windows, so that a window boundary
 /// costs no wait (only the reading is cancelled if the send ends first, and
 /// `ShardReader::next` is cancel-safe). A load that fails lets the frame finish first: the
 /// client can only be told why (an ERROR frame) at a frame boundary.
 async fn loading_ahead(
     send: impl Future<Output = Result<(), SendError>>,
-    order: &mut SampleOrder,
-    reader: &mut ShardReader<'_>,
+    lanes: &mut [LaneReader<'_>],
 ) -> (Result<(), SendError>, Option<StreamError>) {
     let mut send = std::pin::pin!(send);
-    while order.wants_more() {
-        tokio::select! {
-            r = &mut send => return (r, None),
-            shard = reader.next() => match shard {
-                Ok(shard) => order.push(shard),
-                Err(e) => return (send.await, Some(e)),
-            },
+    for lane in lanes.iter_mut() {
+        while lane.order.wants_more() {
+            tokio::select! {
+                r = &mut send => return (r, None),
+                shard = lane.reader.next() => match shard {
+                    Ok(shard) => lane.order.push(shard),
+                    Err(e) => return (send.await, Some(e)),
+                },
+            }
         }
     }
     (send.await, None)
@@ -349,16 +494,20 @@ fn send_failed(e: SendError) -> StreamError {
 fn open_schedule(
     ctx: &StreamContext,
     job: &Job<'_>,
+    lane: &Lane<'_>,
     pieces: impl Iterator<Item = Piece>,
 ) -> ScheduleHandle {
-    let shards = &job.dataset.shards;
+    let shards = &lane.dataset.shards;
     let upcoming = pieces
         .map(|p| p.shard)
-        .chain(job.next_epoch.iter().copied());
-    ctx.plans.open(
-        job.id.clone(),
-        upcoming.map(|i| shards[i].clone()).collect(),
-    )
+        .chain(lane.next_epoch.iter().copied());
+    // A mix's sources are scheduled apart, under the mix's name and theirs.
+    let mut id = job.id.clone();
+    if lane.dataset.name != id.dataset {
+        id.dataset = format!("{}/{}", id.dataset, lane.dataset.name);
+    }
+    ctx.plans
+        .open(id, upcoming.map(|i| shards[i].clone()).collect())
 }
 
 /// Waits, holding nothing, until the client can take data again (or the daemon stops).
@@ -379,7 +528,7 @@ async fn park(ctx: &StreamContext, job: &Job<'_>, sock: &UnixStream) -> Result<(
     // Parked time is time the stream waited for its client, like a send's.
     ctx.metrics
         .client_wait_seconds_total
-        .with_label_values(&[job.dataset.name.as_str()])
+        .with_label_values(&[job.lanes[0].dataset.name.as_str()])
         .inc_by(since.elapsed().as_secs_f64());
     tracing::info!(parked = ?since.elapsed(), "the client reads again: stream resumed");
     Ok(())
@@ -531,7 +680,27 @@ struct ShardReader<'a> {
 /// A piece's samples, and the shard's sample count when the plan did not know it.
 type ShardTask = AbortOnDropHandle<Result<(Vec<Sample>, Option<u64>), StreamError>>;
 
-impl ShardReader<'_> {
+impl<'a> ShardReader<'a> {
+    fn new(
+        ctx: &'a StreamContext,
+        dataset: &'a Dataset,
+        pieces: Vec<Piece>,
+        returned: usize,
+        schedule: ScheduleHandle,
+        counts: &'a mut [Option<u64>],
+    ) -> ShardReader<'a> {
+        ShardReader {
+            cache: &ctx.cache,
+            dataset,
+            queue: pieces.into(),
+            current: None,
+            next: None,
+            schedule,
+            returned,
+            counts,
+        }
+    }
+
     /// The next shard's samples, or `None` after the last shard. Cancel-safe: a call dropped
     /// while waiting leaves the shard to the next call.
     async fn next(&mut self) -> Result<Option<Vec<Sample>>, StreamError> {

@@ -249,6 +249,15 @@ def _request(op, dataset, epoch, rank, world_size, seed, worker, num_workers):
     }
 
 
+def _text_source(samples, names):
+    """A mix's samples name their source in the field ``__source__``: a ``str``, like
+    ``__key__`` and ``__url__`` (costs nothing in batches without it)."""
+    if "__source__" in names:
+        for s in samples:
+            s["__source__"] = s["__source__"].decode()
+    return samples
+
+
 class Stream:
     """One stream: iterate it for samples. ``shards`` is how many shards it reads (``samples``,
     ``dropped``, ``fingerprint``: see PROTOCOL.md; ``start_fields``: the whole START, as a
@@ -639,7 +648,7 @@ class Stream:
         self._lo += payload_offset
         payload = length - payload_offset
         if max_piece >= DIRECT_MIN and self._direct:
-            return self._read_pieces(n, names, urls, words)
+            return _text_source(self._read_pieces(n, names, urls, words), names)
 
         # Fast path: the whole payload through the buffer, one tight loop.
         self._fill(payload, payload)
@@ -661,7 +670,7 @@ class Stream:
                 p += ln
                 i += 2
             append(sample)
-        return out
+        return _text_source(out, names)
 
     def _read_pieces(self, n, names, urls, words):
         """A batch with large pieces: small ones through the buffer (read in runs that stop at
