@@ -39,6 +39,7 @@ pub mod host;
 pub mod http;
 pub mod manifest;
 pub mod metrics;
+pub mod mix;
 pub mod plan;
 pub mod prefetch;
 pub mod protocol;
