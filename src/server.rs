@@ -567,13 +567,12 @@ fn plan_mix(
 ) -> Result<Plan, plan::PlanError> {
     if resume_from.is_some() {
         return Err(plan::PlanError::BadOrigin(
-            "an elastic resume of a mix is not supported yet: resume it at its own topology"
-                .into(),
+            "an elastic resume of a mix is not supported yet: resume it at its own topology".into(),
         ));
     }
     let weights: Vec<u64> = m.sources.iter().map(|s| s.1).collect();
-    let mix = crate::mix::Mix::new(&weights, m.samples_per_epoch)
-        .expect("the config checked the mix");
+    let mix =
+        crate::mix::Mix::new(&weights, m.samples_per_epoch).expect("the config checked the mix");
     let mut lanes = Vec::new();
     let mut sources = Vec::new();
     let mut key = 0;
@@ -615,7 +614,12 @@ fn plan_mix(
 
 /// The shards the same stream reads next epoch (none past the last epoch, or when it cannot
 /// be planned, or for a plan request).
-fn next_epoch(config: &Config, shape: plan::Shape, req: StreamRequest, with_next: bool) -> Vec<usize> {
+fn next_epoch(
+    config: &Config,
+    shape: plan::Shape,
+    req: StreamRequest,
+    with_next: bool,
+) -> Vec<usize> {
     req.epoch
         .checked_add(1)
         .filter(|_| with_next)

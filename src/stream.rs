@@ -97,6 +97,12 @@ pub struct Lane<'a> {
     pub next_epoch: Vec<usize>,
 }
 
+/// The pieces reading `run` takes: from the shuffle window that holds its first sample to the
+/// one that holds its last (what `shardd plan --from` counts a resume fetching).
+pub fn run_pieces(run: &Run, window: usize) -> Vec<Piece> {
+    resume(run.plan.clone(), window, run.from, run.to).0
+}
+
 /// One stream to serve.
 pub struct Job<'a> {
     /// One lane, or a mix's sources (interleaved by `mix`).
@@ -204,7 +210,11 @@ async fn serve_from(
         .iter()
         .zip(positions)
         .map(|(lane, at)| {
-            let counts = if job.lanes.len() == 1 { counts.take() } else { None };
+            let counts = if job.lanes.len() == 1 {
+                counts.take()
+            } else {
+                None
+            };
             LaneReader::new(ctx, job, lane, at, counts.unwrap_or(&mut []))
         })
         .collect();
@@ -278,7 +288,10 @@ async fn serve_from(
         for (sample, i) in sent.iter().zip(out_lanes.drain(..sent.len())) {
             // Per dataset: a mix's sources each count their own.
             lanes[i].series.samples_sent.inc();
-            lanes[i].series.bytes_sent.inc_by(sample.payload_len() as u64);
+            lanes[i]
+                .series
+                .bytes_sent
+                .inc_by(sample.payload_len() as u64);
         }
         job.live.sent(sent.len() as u64, bytes);
         if let Some(e) = failed {
@@ -397,7 +410,10 @@ fn open_run<'a>(
         )
         .1;
         let schedule = open_schedule(ctx, job, lane, std::iter::empty());
-        return (ShardReader::new(ctx, lane.dataset, Vec::new(), 0, schedule, counts), order);
+        return (
+            ShardReader::new(ctx, lane.dataset, Vec::new(), 0, schedule, counts),
+            order,
+        );
     };
     let mut plan = run.plan.clone();
     for (piece, count) in plan.pieces.iter_mut().zip(counts.iter()) {
