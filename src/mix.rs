@@ -387,6 +387,16 @@ impl Cursor {
             state.next += here as u64;
             done += here;
         }
+        if let (Kind::Leaf(l), Kind::Leaf(r)) =
+            (self.nodes[sp.left].kind, self.nodes[sp.right].kind)
+        {
+            // Two sources below: the labels are the directions, renamed (the most common node).
+            for d in dirs.iter_mut() {
+                *d = if *d == 1 { l as u32 } else { r as u32 };
+            }
+            self.nodes[id].out = dirs;
+            return;
+        }
         let lefts = dirs.iter().sum::<u32>() as usize;
         self.fill(sp.left, lefts);
         self.fill(sp.right, m - lefts);
@@ -398,7 +408,9 @@ impl Cursor {
         let (mut l, mut r) = (0, 0);
         for d in dirs.iter_mut() {
             let take_left = *d == 1;
-            let label = if take_left { left[l] } else { right[r] };
+            // Both reads, then a select: no branch on a coin flip.
+            let (a, b) = (left[l], right[r]);
+            let label = if take_left { a } else { b };
             l += take_left as usize;
             r += !take_left as usize;
             *d = label;
@@ -768,7 +780,13 @@ mod tests {
             .sum();
         let cpu = (cpu_ns() - cpu) as f64 / 1e9;
         println!("walk: {:.1} M steps/s of CPU time ({sum})", 102.4 / cpu);
-        for weights in [vec![1, 1], vec![5, 3, 2, 8], vec![1, 2, 3, 4, 5, 6, 7, 8]] {
+        for weights in [
+            vec![1, 1],
+            vec![5, 3, 2],
+            vec![5, 3, 2, 8],
+            vec![1, 2, 3, 4, 5, 6],
+            vec![1, 2, 3, 4, 5, 6, 7, 8],
+        ] {
             let mix = Mix::new(&weights, 100_000_000).unwrap();
             let (wall, cpu) = (std::time::Instant::now(), cpu_ns());
             let sum: usize = mix.cursor(1, 0).sum();
