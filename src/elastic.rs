@@ -61,6 +61,16 @@ pub struct Segment {
     pub req: StreamRequest,
     pub from: u64,
     pub to: u64,
+    /// When the base stream is a mix's stream of one of its sources: which, and its quota.
+    pub source: Option<SourceOf>,
+}
+
+/// Source `index` of a mix, whose streams read `quota` samples of it per epoch (its
+/// `samples_per_epoch`, keyed apart: see the server's mix plan).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceOf {
+    pub index: u32,
+    pub quota: u64,
 }
 
 impl Segment {
@@ -129,22 +139,41 @@ pub fn split(
     let left: Vec<u64> = (origin.positions.iter().zip(&old_lengths))
         .map(|(p, n)| n - p)
         .collect();
-    let remainders: Vec<Vec<Segment>> = old
+    let consumed: Vec<Vec<u64>> = old
         .iter()
         .map(|streams| {
+            (0..streams.len())
+                .map(|s| origin.positions[s % origin.num_workers as usize])
+                .collect()
+        })
+        .collect();
+    Ok(redistribute(&old, &consumed, hosts, req, Some(&left)))
+}
+
+/// Deals what the old streams (`old[h][s]`, of which `consumed[h][s]` samples were read) have
+/// left to the new hosts and streams (module docs). `keep`: each old worker's remainder, kept
+/// as the new workers' lengths when the ranks and workers are the old ones.
+fn redistribute(
+    old: &Lanes,
+    consumed: &[Vec<u64>],
+    hosts: u32,
+    req: &StreamRequest,
+    keep: Option<&[u64]>,
+) -> Split {
+    let remainders: Vec<Vec<Segment>> = old
+        .iter()
+        .zip(consumed)
+        .map(|(streams, consumed)| {
             streams
                 .iter()
-                .enumerate()
-                .flat_map(|(s, lane)| {
-                    let p = origin.positions[s % origin.num_workers as usize];
-                    cut(lane, p, u64::MAX)
-                })
+                .zip(consumed)
+                .flat_map(|(lane, &p)| cut(lane, p, u64::MAX))
                 .collect()
         })
         .collect();
     let sizes: Vec<u64> = remainders.iter().map(|r| total(r)).collect();
     let remainder: u64 = sizes.iter().sum();
-    let lengths = worker_lengths(remainder, req, &left);
+    let lengths = worker_lengths(remainder, req, keep);
     let ranks = (req.world_size / hosts) as usize;
     let demand: u64 = lengths.iter().sum::<u64>() * ranks as u64;
     let mut taken = vec![0u64; remainders.len()];
@@ -179,21 +208,158 @@ pub fn split(
                 .collect()
         })
         .collect();
-    Ok(Split {
+    Split {
         hosts,
         lengths,
         remainder,
         dropped: remainder - demand * mine.len() as u64,
-    })
+    }
+}
+
+/// An elastic resume of a mix: each source's rest redistributed as a dataset's is (`split`),
+/// where what an old stream consumed of each source is its interleave's count at its
+/// position. `shapes`: the sources' shapes; `weights` and `e`: the mix's.
+pub fn split_mix(
+    shapes: &[Shape],
+    weights: &[u64],
+    e: u64,
+    hosts: u32,
+    req: &StreamRequest,
+    origin: &Origin,
+) -> Result<Vec<Split>, PlanError> {
+    check(origin)?;
+    let old_req = StreamRequest {
+        world_size: origin.world_size,
+        num_workers: origin.num_workers,
+        ..*req
+    };
+    let k = origin.num_workers as usize;
+    let ranks = origin.world_size / origin.hosts;
+    // Per source: the old streams' lanes, and each old worker's length of it.
+    let (lanes, lens, base): (Vec<Lanes>, Vec<Vec<u64>>, bool) = match &origin.from {
+        None => {
+            let mix = crate::mix::Mix::new(weights, e)
+                .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
+            let lanes = mix
+                .quotas()
+                .iter()
+                .enumerate()
+                .map(|(i, &quota)| {
+                    (0..origin.hosts)
+                        .map(|h| {
+                            (0..ranks * origin.num_workers)
+                                .map(|s| {
+                                    vec![Segment {
+                                        host: Topology {
+                                            index: h,
+                                            count: origin.hosts,
+                                        },
+                                        req: StreamRequest {
+                                            rank: h * ranks + s / origin.num_workers,
+                                            worker: s % origin.num_workers,
+                                            ..old_req
+                                        },
+                                        from: 0,
+                                        to: quota,
+                                        source: Some(SourceOf {
+                                            index: i as u32,
+                                            quota,
+                                        }),
+                                    }]
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            let lens = mix.quotas().iter().map(|&q| vec![q; k]).collect();
+            (lanes, lens, true)
+        }
+        Some(earlier) => {
+            let prev = split_mix(shapes, weights, e, origin.hosts, &old_req, earlier)?;
+            let lens = prev.iter().map(|s| s.lengths.clone()).collect();
+            (prev.into_iter().map(|s| s.hosts).collect(), lens, false)
+        }
+    };
+    for (w, &p) in origin.positions.iter().enumerate() {
+        let n: u64 = lens.iter().map(|l| l[w]).sum();
+        if p > n {
+            return Err(PlanError::BadOrigin(format!(
+                "position {p} of worker {w} is past the end of its old stream ({n} samples)"
+            )));
+        }
+    }
+    // consumed[i][h][s]: what old stream (h, s) read of source i.
+    let mut consumed: Vec<Vec<Vec<u64>>> =
+        vec![
+            vec![vec![0; (ranks * origin.num_workers) as usize]; origin.hosts as usize];
+            lens.len()
+        ];
+    for h in 0..origin.hosts {
+        for s in 0..ranks * origin.num_workers {
+            let w = (s % origin.num_workers) as usize;
+            let stream = StreamRequest {
+                rank: h * ranks + s / origin.num_workers,
+                worker: w as u32,
+                ..old_req
+            };
+            let own: Vec<u64> = lens.iter().map(|l| l[w]).collect();
+            let counts = if base {
+                let mix = crate::mix::Mix::new(weights, e).expect("checked above");
+                mix.counts_at(plan::stream_key(&stream), origin.positions[w])
+            } else {
+                interleave_counts(&own, plan::stream_key(&stream), origin.positions[w])
+            };
+            for (i, c) in counts.into_iter().enumerate() {
+                consumed[i][h as usize][s as usize] = c;
+            }
+        }
+    }
+    Ok(lanes
+        .iter()
+        .zip(&consumed)
+        .map(|(lanes, consumed)| redistribute(lanes, consumed, hosts, req, None))
+        .collect())
+}
+
+/// The order of an elastic mix stream whose sources have `lens` samples: the sources with
+/// samples left, weighted by them (so each is used up exactly at the end); `None` when fewer
+/// than two have any. Returns the order and the sources it ranges over.
+pub fn interleave(lens: &[u64]) -> Option<(crate::mix::Mix, Vec<usize>)> {
+    let live: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] > 0).collect();
+    let weights: Vec<u64> = live.iter().map(|&i| lens[i]).collect();
+    let mix = crate::mix::Mix::new(&weights, weights.iter().sum()).ok()?;
+    Some((mix, live))
+}
+
+/// Samples of each source among the first `at` of an elastic mix stream (see `interleave`).
+fn interleave_counts(lens: &[u64], key: u64, at: u64) -> Vec<u64> {
+    let mut out = vec![0; lens.len()];
+    match interleave(lens) {
+        Some((mix, live)) => {
+            for (i, c) in live.into_iter().zip(mix.counts_at(key, at)) {
+                out[i] = c;
+            }
+        }
+        None => {
+            if let Some(i) = lens.iter().position(|&n| n > 0) {
+                out[i] = at;
+            }
+        }
+    }
+    out
 }
 
 /// Samples each new worker's stream gets (the same on every rank, so every rank takes as
 /// many steps): each old worker's remainder when the ranks and workers are those of the
 /// checkpoint (so the same topology resumes every stream exactly where it was), else the
 /// rank's share `⌊R / W'⌋` dealt evenly to its workers.
-fn worker_lengths(remainder: u64, req: &StreamRequest, left: &[u64]) -> Vec<u64> {
+fn worker_lengths(remainder: u64, req: &StreamRequest, keep: Option<&[u64]>) -> Vec<u64> {
     let per_rank = remainder / req.world_size as u64;
-    if req.num_workers as usize == left.len() && left.iter().sum::<u64>() == per_rank {
+    if let Some(left) = keep
+        && req.num_workers as usize == left.len()
+        && left.iter().sum::<u64>() == per_rank
+    {
         return left.to_vec();
     }
     let k = req.num_workers as u64;
@@ -241,6 +407,7 @@ fn streams(
                                 },
                                 from: 0,
                                 to: length,
+                                source: None,
                             }]
                         })
                         .collect()
@@ -389,6 +556,7 @@ mod tests {
                                     req,
                                     from: 0,
                                     to: u64::MAX,
+                                    source: None,
                                 };
                                 base_output(shape, &seg, window)
                             }
@@ -562,6 +730,153 @@ mod tests {
         for h in 0..2usize {
             let from: Vec<u32> = s.hosts[h][0].iter().map(|g| g.host.index).collect();
             assert_eq!(from, vec![h as u32, h as u32 + 2]);
+        }
+    }
+
+    /// The base output of a mix source's segment (its quota as samples_per_epoch, its key
+    /// apart, as the server plans it).
+    fn source_output(shape: Shape, seg: &Segment, window: usize) -> Vec<(usize, u64)> {
+        let src = seg.source.unwrap();
+        let shape = Shape {
+            samples_per_epoch: Some(src.quota),
+            ..shape
+        };
+        let mut p = plan::plan_stream(shape, seg.host, &seg.req).unwrap();
+        p.stream_key = crate::shuffle::key(&[
+            crate::shuffle::tag::MIX_SOURCE,
+            p.stream_key,
+            src.index as u64,
+        ]);
+        let mut flat: Vec<(usize, u64)> = p
+            .pieces
+            .iter()
+            .flat_map(|x| (x.start..x.end.unwrap()).map(move |i| (x.shard, i)))
+            .collect();
+        let mut shuffle = crate::shuffle::WindowShuffle::new(p.stream_key, window);
+        let mut out = Vec::new();
+        while !flat.is_empty() {
+            let n = shuffle.next_len().min(flat.len());
+            let mut w: Vec<_> = flat.drain(..n).collect();
+            shuffle.permute(&mut w);
+            out.extend(w);
+        }
+        out[seg.from as usize..seg.to as usize].to_vec()
+    }
+
+    /// A mix checkpointed at random positions resumes on another topology (and another):
+    /// per source, what the old streams' interleaves had taken plus what the new streams
+    /// read is the epoch's samples of that source exactly once, but the drops; every new
+    /// rank reads as many of each source.
+    #[test]
+    fn a_mix_resumes_elastically_exactly_once_per_source() {
+        let mut rng = SplitMix64::new(99);
+        for case in 0..40 {
+            let a: Vec<u64> = (0..1 + rng.below(6)).map(|_| 5 + rng.below(25)).collect();
+            let b: Vec<u64> = (0..1 + rng.below(6)).map(|_| 5 + rng.below(25)).collect();
+            let shapes = [
+                Shape {
+                    counts: Some(&a),
+                    ..Shape::shards(a.len())
+                },
+                Shape {
+                    counts: Some(&b),
+                    ..Shape::shards(b.len())
+                },
+            ];
+            let weights = [1 + rng.below(4), 1 + rng.below(4)];
+            let e = 1 + rng.below(40);
+            let window = 1 + rng.below(8) as usize;
+            let (seed, epoch) = (rng.next_u64(), rng.below(3));
+            let t0 = random_topo(&mut rng);
+            let quotas = crate::mix::Mix::new(&weights, e).unwrap().quotas().to_vec();
+            // The whole epoch of each source, and what the old streams consumed of it.
+            let mut want = vec![HashMap::new(), HashMap::new()];
+            let mut got: Vec<HashMap<(usize, u64), u32>> = vec![HashMap::new(), HashMap::new()];
+            let positions: Vec<u64> = (0..t0.workers).map(|_| rng.below(e + 1)).collect();
+            for h in 0..t0.hosts {
+                for s in 0..t0.ranks * t0.workers {
+                    let req = StreamRequest {
+                        seed,
+                        epoch,
+                        rank: h * t0.ranks + s / t0.workers,
+                        world_size: t0.hosts * t0.ranks,
+                        worker: s % t0.workers,
+                        num_workers: t0.workers,
+                    };
+                    let mix = crate::mix::Mix::new(&weights, e).unwrap();
+                    let taken =
+                        mix.counts_at(plan::stream_key(&req), positions[req.worker as usize]);
+                    for i in 0..2 {
+                        let seg = Segment {
+                            host: Topology {
+                                index: h,
+                                count: t0.hosts,
+                            },
+                            req,
+                            from: 0,
+                            to: quotas[i],
+                            source: Some(SourceOf {
+                                index: i as u32,
+                                quota: quotas[i],
+                            }),
+                        };
+                        let out = source_output(shapes[i], &seg, window);
+                        for x in &out {
+                            *want[i].entry(*x).or_insert(0) += 1;
+                        }
+                        for x in &out[..taken[i] as usize] {
+                            *got[i].entry(*x).or_insert(0) += 1;
+                        }
+                    }
+                }
+            }
+            let origin = Origin {
+                hosts: t0.hosts,
+                world_size: t0.hosts * t0.ranks,
+                num_workers: t0.workers,
+                positions,
+                from: None,
+            };
+            let t = random_topo(&mut rng);
+            let req = StreamRequest {
+                seed,
+                epoch,
+                rank: 0,
+                world_size: t.hosts * t.ranks,
+                worker: 0,
+                num_workers: t.workers,
+            };
+            let splits = split_mix(&shapes, &weights, e, t.hosts, &req, &origin).unwrap();
+            for (i, split) in splits.iter().enumerate() {
+                let mut per_rank = HashMap::new();
+                for (h, streams) in split.hosts.iter().enumerate() {
+                    for (s, segments) in streams.iter().enumerate() {
+                        let rank = h as u32 * t.ranks + s as u32 / t.workers;
+                        for seg in segments {
+                            for x in source_output(shapes[i], seg, window) {
+                                *got[i].entry(x).or_insert(0) += 1;
+                                *per_rank.entry(rank).or_insert(0u64) += 1;
+                            }
+                        }
+                    }
+                }
+                let counts: std::collections::HashSet<u64> = (0..t.hosts * t.ranks)
+                    .map(|r| *per_rank.get(&r).unwrap_or(&0))
+                    .collect();
+                assert_eq!(counts.len(), 1, "case {case} source {i}: {per_rank:?}");
+                // Sources repeat samples within an epoch when quotas wrap passes: compare counts.
+                for (x, &n) in &got[i] {
+                    assert!(
+                        n <= *want[i].get(x).unwrap_or(&0),
+                        "case {case} source {i}: {x:?} read twice"
+                    );
+                }
+                let missing: u32 = want[i]
+                    .iter()
+                    .map(|(x, &n)| n - got[i].get(x).copied().unwrap_or(0))
+                    .sum();
+                assert_eq!(missing as u64, split.dropped, "case {case} source {i}");
+            }
         }
     }
 

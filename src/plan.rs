@@ -171,14 +171,7 @@ pub fn plan_stream(
     req: &StreamRequest,
 ) -> Result<StreamPlan, PlanError> {
     let local_rank = validate(host, req)?;
-    let stream_key = shuffle::key(&[
-        tag::STREAM,
-        req.seed,
-        req.epoch,
-        req.rank as u64,
-        req.worker as u64,
-        req.num_workers as u64,
-    ]);
+    let stream_key = stream_key(req);
     match shape.counts {
         Some(counts) if shape.resampled => plan_resampled(counts, shape, host, stream_key),
         None => Ok(StreamPlan {
@@ -197,6 +190,18 @@ pub fn plan_stream(
         }),
         Some(counts) => plan_samples(counts, shape, host, req, local_rank, stream_key),
     }
+}
+
+/// Keys a stream's shuffle (and a mix's interleave): (seed, epoch, rank, worker, num_workers).
+pub fn stream_key(req: &StreamRequest) -> u64 {
+    shuffle::key(&[
+        tag::STREAM,
+        req.seed,
+        req.epoch,
+        req.rank as u64,
+        req.worker as u64,
+        req.num_workers as u64,
+    ])
 }
 
 fn plan_shards(shape: Shape, host: Topology, req: &StreamRequest, local_rank: usize) -> Vec<usize> {

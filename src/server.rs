@@ -234,6 +234,7 @@ async fn serve(
 struct Planned {
     lanes: Vec<PlannedLane>,
     mix: Option<stream::Interleave>,
+    tag_sources: bool,
     start: Start,
 }
 
@@ -306,6 +307,7 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
     Ok(Planned {
         lanes: planned.lanes,
         mix: planned.mix,
+        tag_sources: planned.tag_sources,
         start,
     })
 }
@@ -372,6 +374,7 @@ async fn run_stream(
             })
             .collect(),
         mix: planned.mix,
+        tag_sources: planned.tag_sources,
         start: req.start,
         id: StreamId {
             dataset: req.dataset.clone(),
@@ -473,6 +476,8 @@ struct Plan {
     remainder: Option<u64>,
     sources: Option<Vec<protocol::SourceStart>>,
     fingerprint: String,
+    /// Samples say which dataset they are of (a mix's).
+    tag_sources: bool,
 }
 
 /// Plans the stream's epoch (or, with `resume_from`, the rest of it after a checkpoint at
@@ -524,7 +529,7 @@ fn plan_dataset(
                 .iter()
                 .map(|s| {
                     Ok(stream::Run {
-                        plan: plan::plan_stream(shape, s.host, &s.req)?,
+                        plan: source_plan(d, s.host, &s.req, s.source)?,
                         from: s.from,
                         to: Some(s.to),
                     })
@@ -553,11 +558,13 @@ fn plan_dataset(
         remainder,
         sources: None,
         fingerprint,
+        tag_sources: false,
     })
 }
 
 /// A mix's stream: each source's own stream of its quota (`samples_per_epoch` = the quota,
-/// keyed apart), interleaved by the mix's order keyed (seed, epoch, stream).
+/// keyed apart), interleaved by the mix's order keyed (seed, epoch, stream). After an elastic
+/// resume: each source's rest (`elastic::split_mix`), interleaved by what is left of each.
 fn plan_mix(
     config: &Config,
     m: &crate::config::MixDataset,
@@ -565,51 +572,136 @@ fn plan_mix(
     resume_from: Option<&crate::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, plan::PlanError> {
-    if resume_from.is_some() {
-        return Err(plan::PlanError::BadOrigin(
-            "an elastic resume of a mix is not supported yet: resume it at its own topology".into(),
-        ));
-    }
     let weights: Vec<u64> = m.sources.iter().map(|s| s.1).collect();
-    let mix =
-        crate::mix::Mix::new(&weights, m.samples_per_epoch).expect("the config checked the mix");
-    let mut lanes = Vec::new();
-    let mut sources = Vec::new();
-    let mut key = 0;
+    let e = m.samples_per_epoch;
+    let mix = crate::mix::Mix::new(&weights, e).expect("the config checked the mix");
+    let key = plan::stream_key(&req);
+    let datasets: Vec<&crate::config::Dataset> = m
+        .sources
+        .iter()
+        .map(|(name, _)| &config.datasets[name])
+        .collect();
     use md5::Digest;
     let mut h = md5::Md5::new();
-    for (i, ((name, weight), &quota)) in m.sources.iter().zip(mix.quotas()).enumerate() {
-        let d = &config.datasets[name];
-        let shape = plan::Shape {
-            samples_per_epoch: Some(quota),
-            ..d.shape()
-        };
-        let mut plan = plan::plan_stream(shape, config.host, &req)?;
-        key = plan.stream_key;
-        plan.stream_key = crate::shuffle::key(&[crate::shuffle::tag::MIX_SOURCE, key, i as u64]);
-        sources.push(protocol::SourceStart {
-            dataset: name.clone(),
-            weight: *weight,
-            samples: quota,
-            pass: plan.pass,
-        });
+    for (d, (&quota, weight)) in datasets.iter().zip(mix.quotas().iter().zip(&weights)) {
         h.update(fingerprint(d, config, &req, Some(quota), None));
         h.update(weight.to_le_bytes());
-        lanes.push(PlannedLane {
-            dataset: name.clone(),
-            runs: vec![stream::Run::whole(plan)],
-            next_epoch: next_epoch(config, shape, req, with_next),
+    }
+    let (lanes, interleave, lens, dropped, remainder) = match resume_from {
+        None => {
+            let lanes = (0..datasets.len())
+                .map(|i| {
+                    let source = crate::elastic::SourceOf {
+                        index: i as u32,
+                        quota: mix.quotas()[i],
+                    };
+                    let plan = source_plan(datasets[i], config.host, &req, Some(source))?;
+                    Ok(vec![stream::Run::whole(plan)])
+                })
+                .collect::<Result<Vec<_>, plan::PlanError>>()?;
+            let lens = mix.quotas().to_vec();
+            let live = (0..datasets.len()).collect();
+            (lanes, Some((mix.clone(), live)), lens, 0, None)
+        }
+        Some(origin) => {
+            h.update(serde_json::to_vec(origin).expect("an origin serialises"));
+            let shapes: Vec<plan::Shape> = datasets.iter().map(|d| d.shape()).collect();
+            let splits =
+                crate::elastic::split_mix(&shapes, &weights, e, config.host.count, &req, origin)?;
+            let local = plan::validate(config.host, &req)?;
+            let stream = local * req.num_workers as usize + req.worker as usize;
+            let lanes = splits
+                .iter()
+                .zip(&datasets)
+                .map(|(split, d)| {
+                    split.hosts[config.host.index as usize][stream]
+                        .iter()
+                        .map(|seg| {
+                            Ok(stream::Run {
+                                plan: source_plan(d, seg.host, &seg.req, seg.source)?,
+                                from: seg.from,
+                                to: Some(seg.to),
+                            })
+                        })
+                        .collect::<Result<Vec<_>, plan::PlanError>>()
+                })
+                .collect::<Result<Vec<_>, plan::PlanError>>()?;
+            let lens: Vec<u64> = splits
+                .iter()
+                .map(|s| s.lengths[req.worker as usize])
+                .collect();
+            let dropped = splits.iter().map(|s| s.dropped).sum();
+            let remainder = splits.iter().map(|s| s.remainder).sum();
+            (
+                lanes,
+                crate::elastic::interleave(&lens),
+                lens,
+                dropped,
+                Some(remainder),
+            )
+        }
+    };
+    // The lanes an interleave ranges over, in its order; one lane when only one source is
+    // left (or none: an empty stream).
+    let order: Vec<usize> = match &interleave {
+        Some((_, live)) => live.clone(),
+        None => vec![lens.iter().position(|&n| n > 0).unwrap_or(0)],
+    };
+    let mut sources = Vec::new();
+    let mut planned = Vec::new();
+    for (i, runs) in lanes.into_iter().enumerate() {
+        let d = datasets[i];
+        sources.push(protocol::SourceStart {
+            dataset: d.name.clone(),
+            weight: weights[i],
+            samples: lens[i],
+            pass: runs.first().map_or(0, |r| r.plan.pass),
         });
+        if order.contains(&i) {
+            let shape = plan::Shape {
+                samples_per_epoch: Some(mix.quotas()[i]),
+                ..d.shape()
+            };
+            planned.push(PlannedLane {
+                dataset: d.name.clone(),
+                runs,
+                next_epoch: next_epoch(config, shape, req, with_next),
+            });
+        }
     }
     Ok(Plan {
-        lanes,
-        mix: Some(stream::Interleave { mix, key }),
-        samples: Some(m.samples_per_epoch),
-        dropped: 0,
-        remainder: None,
+        lanes: planned,
+        mix: interleave.map(|(mix, _)| stream::Interleave { mix, key }),
+        samples: Some(lens.iter().sum()),
+        dropped,
+        remainder,
         sources: Some(sources),
         fingerprint: hex::encode(&h.finalize()[..8]),
+        tag_sources: true,
     })
+}
+
+/// A base stream's plan of dataset `d`, or of a mix's source (its quota as
+/// `samples_per_epoch`, its shuffle keyed apart from the other sources').
+fn source_plan(
+    d: &crate::config::Dataset,
+    host: plan::Topology,
+    req: &StreamRequest,
+    source: Option<crate::elastic::SourceOf>,
+) -> Result<plan::StreamPlan, plan::PlanError> {
+    let mut shape = d.shape();
+    if let Some(s) = source {
+        shape.samples_per_epoch = Some(s.quota);
+    }
+    let mut plan = plan::plan_stream(shape, host, req)?;
+    if let Some(s) = source {
+        plan.stream_key = crate::shuffle::key(&[
+            crate::shuffle::tag::MIX_SOURCE,
+            plan.stream_key,
+            s.index as u64,
+        ]);
+    }
+    Ok(plan)
 }
 
 /// The shards the same stream reads next epoch (none past the last epoch, or when it cannot

@@ -108,6 +108,8 @@ pub struct Job<'a> {
     /// One lane, or a mix's sources (interleaved by `mix`).
     pub lanes: Vec<Lane<'a>>,
     pub mix: Option<Interleave>,
+    /// Samples get `__source__` (a mix's, even when one source is left to read).
+    pub tag_sources: bool,
     /// Stream position to start from (samples an earlier connection delivered).
     pub start: u64,
     /// Who the stream is, for the prefetcher's schedules (each lane under its dataset).
@@ -354,7 +356,7 @@ impl<'a> LaneReader<'a> {
     async fn next_sample(&mut self, job: &Job<'a>) -> Result<Option<Sample>, StreamError> {
         loop {
             if let Some(mut sample) = self.window.pop_front() {
-                if job.mix.is_some() {
+                if job.tag_sources {
                     // A mix's samples say which source they are (webdataset-style metadata).
                     let name = Bytes::copy_from_slice(self.lane.dataset.name.as_bytes());
                     sample.fields.push((SOURCE.clone(), ShardBytes::heap(name)));
