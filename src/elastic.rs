@@ -218,9 +218,8 @@ fn redistribute(
 
 /// An elastic resume of a mix: each source's rest redistributed as a dataset's is (`split`),
 /// where what an old stream consumed of each source is its interleave's count at its
-/// position. `shapes`: the sources' shapes; `weights` and `e`: the mix's.
+/// position. `weights` and `e`: the mix's.
 pub fn split_mix(
-    shapes: &[Shape],
     weights: &[u64],
     e: u64,
     hosts: u32,
@@ -276,7 +275,7 @@ pub fn split_mix(
             (lanes, lens, true)
         }
         Some(earlier) => {
-            let prev = split_mix(shapes, weights, e, origin.hosts, &old_req, earlier)?;
+            let prev = split_mix(weights, e, origin.hosts, &old_req, earlier)?;
             let lens = prev.iter().map(|s| s.lengths.clone()).collect();
             (prev.into_iter().map(|s| s.hosts).collect(), lens, false)
         }
@@ -790,8 +789,8 @@ mod tests {
             let t0 = random_topo(&mut rng);
             let quotas = crate::mix::Mix::new(&weights, e).unwrap().quotas().to_vec();
             // The whole epoch of each source, and what the old streams consumed of it.
-            let mut want = vec![HashMap::new(), HashMap::new()];
-            let mut got: Vec<HashMap<(usize, u64), u32>> = vec![HashMap::new(), HashMap::new()];
+            let mut want = [HashMap::new(), HashMap::new()];
+            let mut got: [HashMap<(usize, u64), u32>; 2] = [HashMap::new(), HashMap::new()];
             let positions: Vec<u64> = (0..t0.workers).map(|_| rng.below(e + 1)).collect();
             for h in 0..t0.hosts {
                 for s in 0..t0.ranks * t0.workers {
@@ -846,7 +845,7 @@ mod tests {
                 worker: 0,
                 num_workers: t.workers,
             };
-            let splits = split_mix(&shapes, &weights, e, t.hosts, &req, &origin).unwrap();
+            let splits = split_mix(&weights, e, t.hosts, &req, &origin).unwrap();
             for (i, split) in splits.iter().enumerate() {
                 let mut per_rank = HashMap::new();
                 for (h, streams) in split.hosts.iter().enumerate() {

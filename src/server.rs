@@ -605,9 +605,7 @@ fn plan_mix(
         }
         Some(origin) => {
             h.update(serde_json::to_vec(origin).expect("an origin serialises"));
-            let shapes: Vec<plan::Shape> = datasets.iter().map(|d| d.shape()).collect();
-            let splits =
-                crate::elastic::split_mix(&shapes, &weights, e, config.host.count, &req, origin)?;
+            let splits = crate::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
             let local = plan::validate(config.host, &req)?;
             let stream = local * req.num_workers as usize + req.worker as usize;
             let lanes = splits
