@@ -181,3 +181,35 @@ def test_a_torch_job_resized_mid_epoch_reads_the_rest_once(make_daemon, fake_gcs
     got = collections.Counter(consumed + rest)
     assert max(got.values()) == 1 and not got - everything
     assert sum((everything - got).values()) < h * ranks
+
+
+def test_elastic_origin_reads_one_ranks_state_and_names_what_is_missing():
+    import shardd.torch as st
+
+    def state(worker, position, **kw):
+        s = dict(shardd=1, dataset="exact", seed=SEED, rank=3, world_size=4, worker=worker,
+                 num_workers=2, epoch=EPOCH, position=position, fingerprint="f", ended=False,
+                 hosts=2)
+        s.update(kw)
+        return s
+
+    loader_state = {"_snapshot": {"_worker_snapshots": {
+        "worker_0": {"dataset_state": state(0, 12)},
+        "worker_1": {"dataset_state": state(1, 10)}}}}
+    assert st.elastic_origin(loader_state) == (EPOCH, {
+        "hosts": 2, "world_size": 4, "num_workers": 2, "positions": [12, 10]})
+    chained = {"hosts": 1, "world_size": 1, "num_workers": 1, "positions": [5]}
+    assert st.elastic_origin([state(0, 1, resume_from=chained), state(1, 0, resume_from=chained)]
+                             )[1]["from"] == chained
+    # Nothing read yet: the whole epoch at the new topology.
+    assert st.elastic_origin([state(0, 0, hosts=None), state(1, 0, hosts=None)]) == (EPOCH, None)
+    for bad, message in [
+        ([state(0, 3)], r"has workers \[0\] of 2"),
+        ([state(0, 3), state(1, 3, rank=2)], "disagree on rank"),
+        ([state(0, 3, hosts=None), state(1, 3, hosts=None)], "how many hosts"),
+        ({"x": 1}, "no shardd.torch stream state"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            st.elastic_origin(bad)
+    with pytest.raises(ValueError, match="seed 5, this dataset has seed 6"):
+        st.elastic_origin([state(0, 1), state(1, 1)], seed=6)

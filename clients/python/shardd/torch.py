@@ -552,7 +552,8 @@ def _stream_states(state):
 
 
 def elastic_origin(state, dataset=None, seed=None):
-    """``(epoch, resume_from)`` for an elastic resume from ``state``: one old rank's
+    """``(epoch, resume_from)`` for an elastic resume from ``state`` (``resume_from`` None when
+    the state had read nothing: the epoch is then read whole at the new topology): one old rank's
     ``StatefulDataLoader.state_dict()``, its dataset's ``state_dict()``, or a list of its
     workers' dataset states. In a synchronous job every rank has taken as many batches at a
     checkpoint, so one rank's worker positions are every rank's, and with the old topology
@@ -574,6 +575,8 @@ def elastic_origin(state, dataset=None, seed=None):
         raise ValueError(f"resume_from: the state was saved with seed {first['seed']}, this "
                          f"dataset has seed {seed}: an elastic resume keeps the run's seed")
     hosts = {s.get("hosts") for s in states} - {None}
+    if not hosts and all(int(s["position"]) == 0 for s in states):
+        return first["epoch"], None  # nothing read yet: the whole epoch, at the new topology
     if len(hosts) != 1:
         raise ValueError("resume_from: the state does not say how many hosts served it (a "
                          "stream must have been opened; states from shardd before elastic "
