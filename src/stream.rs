@@ -1,6 +1,11 @@
 //! One sample stream: the plan's shards, read through the host's cache one shard ahead,
 //! parsed, shuffled window by window, and written as batch frames.
 //!
+//! A stream reads one or more *lanes*: one dataset's stream, or a mix's sources, interleaved
+//! by the mix's order (`mix.rs`). A lane is a list of *runs*: its own plan whole, or after an
+//! elastic resume, the rests of the old streams (`elastic.rs`), each read exactly as a
+//! `start=` resume of that stream reads it and stopped at its end.
+//!
 //! Downloads are not this module's business: the cache loads (once per host) and the
 //! prefetcher runs ahead of every stream, fed by the [`ScheduleHandle`] this stream moves as
 //! it goes. Backpressure is end to end: the stream writes only as fast as its client reads,
