@@ -196,6 +196,9 @@ fn threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// A host's report and the samples of one of its streams, or why it cannot be planned.
+type HostResult = anyhow::Result<(HostReport, Option<u64>)>;
+
 /// Plans every stream of every host (`threads` hosts at a time) and sums them up per host.
 pub fn report(
     name: &str,
@@ -210,29 +213,27 @@ pub fn report(
         .context("--hosts × --ranks is past 2^32")?;
     let next = AtomicUsize::new(0);
     let hosts = args.hosts as usize;
-    let mut per_host: Vec<Option<anyhow::Result<(HostReport, Option<u64>)>>> =
-        (0..hosts).map(|_| None).collect();
-    let results: Vec<Vec<(usize, anyhow::Result<(HostReport, Option<u64>)>)>> =
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads.clamp(1, hosts.max(1)))
-                .map(|_| {
-                    scope.spawn(|| {
-                        let mut mine = Vec::new();
-                        loop {
-                            let h = next.fetch_add(1, Ordering::Relaxed);
-                            if h >= hosts {
-                                return mine;
-                            }
-                            mine.push((h, one_host(shape, sizes, args, world, h as u32)));
+    let mut per_host: Vec<Option<HostResult>> = (0..hosts).map(|_| None).collect();
+    let results: Vec<Vec<(usize, HostResult)>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.clamp(1, hosts.max(1)))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let h = next.fetch_add(1, Ordering::Relaxed);
+                        if h >= hosts {
+                            return mine;
                         }
-                    })
+                        mine.push((h, one_host(shape, sizes, args, world, h as u32)));
+                    }
                 })
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| w.join().expect("planning does not panic"))
-                .collect()
-        });
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("planning does not panic"))
+            .collect()
+    });
     for (h, r) in results.into_iter().flatten() {
         per_host[h] = Some(r);
     }
@@ -277,13 +278,7 @@ pub fn report(
 }
 
 /// Plans the host's R × K streams; returns its report and the samples of one stream.
-fn one_host(
-    shape: Shape,
-    sizes: Option<&[u64]>,
-    args: &Args,
-    world: u32,
-    host: u32,
-) -> anyhow::Result<(HostReport, Option<u64>)> {
+fn one_host(shape: Shape, sizes: Option<&[u64]>, args: &Args, world: u32, host: u32) -> HostResult {
     let topo = Topology {
         index: host,
         count: args.hosts,
@@ -460,7 +455,7 @@ mod tests {
         assert_eq!(r.summary.total_shards, 50);
         assert_eq!(r.summary.total_samples, None);
         assert_eq!(r.summary.bytes, None);
-        let s = r.summary.shards.unwrap();
+        let s = r.summary.shards.as_ref().unwrap();
         assert_eq!((s.min, s.max), (12, 13));
         assert!(text(&r).contains("spread between hosts: samples -; shards min 12 max 13"));
     }
