@@ -96,9 +96,9 @@ impl Manifest {
             url: url.into(),
             what,
         };
-        // `shardd index` writes the shards in config order, and a config lists no shard
-        // twice: then no lookup table is needed (at a million shards, hashing every URL was
-        // most of the daemon's start-up).
+        // `shardd index` writes the shards in config order: then no lookup table is needed,
+        // only a check for a shard listed twice (a validated config has none). At a million
+        // shards, SipHashing every URL several times was most of the daemon's start-up.
         if self.shards.len() == shards.len()
             && self
                 .shards
@@ -106,6 +106,11 @@ impl Manifest {
                 .zip(shards)
                 .all(|(e, s)| e.url == s.as_str())
         {
+            let mut seen = rustc_hash::FxHashSet::default();
+            seen.reserve(shards.len());
+            if !self.shards.iter().all(|e| seen.insert(e.url.as_str())) {
+                return Err(mismatch("it lists a shard twice".into()));
+            }
             return Ok((0..shards.len()).collect());
         }
         let by_url = self.by_url();
@@ -180,7 +185,7 @@ impl Manifest {
         Ok(())
     }
 
-    fn by_url(&self) -> HashMap<&str, usize> {
+    fn by_url(&self) -> rustc_hash::FxHashMap<&str, usize> {
         self.shards
             .iter()
             .enumerate()
