@@ -21,7 +21,7 @@ Fisher-Yates, cut by samples); every other shard is absent. A wrong share would 
 daemon, naming the first missing shard: the stat of the share is measured, not skipped.
 
     cargo build --release
-    PYTHONPATH=clients/python .venv/bin/python bench/scale.py [--shards N] [--format json|compact]
+    PYTHONPATH=clients/python .venv/bin/python bench/scale.py [--shards N] [--dir DIR]
 """
 
 import argparse
@@ -88,7 +88,7 @@ def host_share(counts, share_seed, index, hosts):
     return mine
 
 
-def generate(d, n, index, hosts, fmt):
+def generate(d, n, index, hosts):
     """Writes the manifest (and the sparse files of this host's share); returns the config."""
     rng = random.Random(13)
     counts = [rng.randint(800, 1200) for _ in range(n)]
@@ -109,21 +109,18 @@ def generate(d, n, index, hosts, fmt):
         st = os.stat(p)
         tags[s] = f"local:{st.st_ino}:{st.st_mtime_ns // 10**9}:{st.st_mtime_ns % 10**9}"
     pattern = str(shards / f"train-{{{0:0{digits}d}..{n - 1:0{digits}d}}}.tar")
-    if fmt == "json":
-        manifest = d / "train.manifest.json"
-        # What a GCS manifest holds: an ETag and a generation per object. The share gets the
-        # local files' "ETags" (checked at start), the rest GCS-like ones of the same length.
-        with open(manifest, "w") as f:
-            f.write('{"format":1,"shards":[')
-            for s in range(n):
-                tag = tags.get(s) or f"CJ{s:014d}ZxEAE="
-                f.write(("," if s else "") + json.dumps({
-                    "url": str(shards / name.format(s)), "size": sizes[s], "e_tag": tag,
-                    "generation": f"17{s:014d}", "crc32c": (s * 2654435761) & 0xFFFFFFFF,
-                    "samples": counts[s]}))
-            f.write(f'],"total_samples":{sum(counts)},"total_bytes":{sum(sizes)}}}')
-    else:
-        raise SystemExit(f"--format {fmt}: not supported by this script")
+    manifest = d / "train.manifest.json"
+    # What a GCS manifest holds: an ETag and a generation per object. The share gets the
+    # local files' "ETags" (checked at start), the rest GCS-like ones of the same length.
+    with open(manifest, "w") as f:
+        f.write('{"format":1,"shards":[')
+        for s in range(n):
+            tag = tags.get(s) or f"CJ{s:014d}ZxEAE="
+            f.write(("," if s else "") + json.dumps({
+                "url": str(shards / name.format(s)), "size": sizes[s], "e_tag": tag,
+                "generation": f"17{s:014d}", "crc32c": (s * 2654435761) & 0xFFFFFFFF,
+                "samples": counts[s]}))
+        f.write(f'],"total_samples":{sum(counts)},"total_bytes":{sum(sizes)}}}')
     print(f"generate: {manifest.name}: {manifest.stat().st_size / 1e6:.0f} MB, "
           f"{sum(counts)} samples, {sum(sizes) / 1e12:.1f} TB", flush=True)
     config = d / "shardd.toml"
@@ -201,7 +198,6 @@ def main():
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--format", default="json", help="manifest form: json (compact later)")
     ap.add_argument("--dir", help="keep the generated files here (reused if present)")
     ap.add_argument("--binary", default=str(ROOT / "target" / "release" / "shardd"))
     ap.add_argument("--skip-plan-cli", action="store_true")
@@ -211,7 +207,7 @@ def main():
     d.mkdir(parents=True, exist_ok=True)
     config = d / "shardd.toml"
     if not config.exists():
-        config = generate(d, args.shards, args.host, args.hosts, args.format)
+        config = generate(d, args.shards, args.host, args.hosts)
     sock = d / "shardd.sock"
     world = args.hosts * args.ranks
     print(f"\nshardd at scale: {args.shards} shards, {args.hosts} hosts × {args.ranks} ranks × "
