@@ -335,7 +335,8 @@ pub struct HostAuto {
 pub struct Dataset {
     pub name: String,
     /// Every shard, in the order the patterns expand to. The plan is a function of this order.
-    pub shards: Vec<ShardUrl>,
+    /// Shared: the copies of the config a daemon keeps (status board, warmer) hold one list.
+    pub shards: std::sync::Arc<[ShardUrl]>,
     pub shuffle_buffer: usize,
     /// Keys the host share (which shards this host owns); independent of the run's seed so
     /// that a new run on the same hosts finds its shards in the cache.
@@ -706,7 +707,8 @@ fn validate_dataset(
         }
         _ => {}
     }
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = rustc_hash::FxHashSet::default();
+    seen.reserve(shards.len());
     if let Some(dup) = shards.iter().find(|s| !seen.insert(s.as_str())) {
         return Err(invalid(format!(
             "dataset {name:?}: shard {} is listed twice; every sample must appear once per epoch",
@@ -723,7 +725,7 @@ fn validate_dataset(
         samples_per_epoch: d.samples_per_epoch,
         resampled: d.resampled,
         counts: None,
-        shards,
+        shards: shards.into(),
     })
 }
 

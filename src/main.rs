@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 mod index;
 mod malloc;
+mod plan_report;
 mod progress;
 mod warm;
 
@@ -98,6 +99,35 @@ enum Command {
     },
     /// Serve a synthetic dataset through the whole daemon, read and verify one epoch.
     Demo,
+    /// Print what every host of a job reads in one epoch (samples, shards, bytes from the
+    /// manifest, the spread between hosts), from the config and manifest alone: run it
+    /// before starting or resizing a job.
+    Plan {
+        #[arg(long)]
+        config: PathBuf,
+        /// Hosts in the job (the config's host section is ignored).
+        #[arg(long)]
+        hosts: u32,
+        /// Ranks (trainer processes) per host.
+        #[arg(long)]
+        ranks: u32,
+        /// DataLoader workers per rank.
+        #[arg(long)]
+        workers: u32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 0)]
+        epoch: u64,
+        /// The dataset (needed when the config has more than one).
+        #[arg(long)]
+        dataset: Option<String>,
+        /// One JSON object on stdout instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// What an elastic resume from HOSTS,RANKS,WORKERS would fetch (not yet implemented).
+        #[arg(long, value_name = "H0,R0,K0")]
+        from: Option<plan_report::From>,
+    },
     /// Print what a running daemon is doing (its /status) as a table.
     Status {
         /// The daemon's HTTP address (server.metrics_addr).
@@ -178,6 +208,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Demo => runtime.block_on(shardd::demo::run()),
         Command::Status { url } => runtime.block_on(status(&url)),
+        Command::Plan {
+            config,
+            hosts,
+            ranks,
+            workers,
+            seed,
+            epoch,
+            dataset,
+            json,
+            from,
+        } => {
+            if from.is_some() {
+                eprintln!("shardd: plan --from: not yet implemented");
+                std::process::exit(2);
+            }
+            let args = plan_report::Args {
+                hosts,
+                ranks,
+                workers,
+                seed,
+                epoch,
+                dataset,
+                json,
+            };
+            runtime.block_on(plan_report::run(&config, args))
+        }
     }
 }
 

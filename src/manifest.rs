@@ -82,20 +82,48 @@ impl Manifest {
     /// The sample count of each configured shard, in config order, after checking that the
     /// manifest names exactly these shards.
     pub fn counts(&self, url: &str, shards: &[ShardUrl]) -> Result<Vec<u64>, ManifestError> {
+        Ok(self
+            .positions(url, shards)?
+            .into_iter()
+            .map(|i| self.shards[i].samples)
+            .collect())
+    }
+
+    /// Where each configured shard is in the manifest (`positions[i]` is the index in
+    /// `self.shards` of `shards[i]`), after checking that the manifest names exactly these
+    /// shards.
+    pub fn positions(&self, url: &str, shards: &[ShardUrl]) -> Result<Vec<usize>, ManifestError> {
         let mismatch = |what: String| ManifestError::Mismatch {
             url: url.into(),
             what,
         };
+        // `shardd index` writes the shards in config order: then no lookup table is needed,
+        // only a check for a shard listed twice (a validated config has none). At a million
+        // shards, SipHashing every URL several times was most of the daemon's start-up.
+        if self.shards.len() == shards.len()
+            && self
+                .shards
+                .iter()
+                .zip(shards)
+                .all(|(e, s)| e.url == s.as_str())
+        {
+            let mut seen = rustc_hash::FxHashSet::default();
+            seen.reserve(shards.len());
+            if !self.shards.iter().all(|e| seen.insert(e.url.as_str())) {
+                return Err(mismatch("it lists a shard twice".into()));
+            }
+            return Ok((0..shards.len()).collect());
+        }
         let by_url = self.by_url();
         if by_url.len() != self.shards.len() {
             return Err(mismatch("it lists a shard twice".into()));
         }
-        let mut counts = Vec::with_capacity(shards.len());
+        let mut positions = Vec::with_capacity(shards.len());
         for shard in shards {
-            let Some(entry) = by_url.get(shard.as_str()) else {
+            let Some(&i) = by_url.get(shard.as_str()) else {
                 return Err(mismatch(format!("{shard} is not in it")));
             };
-            counts.push(entry.samples);
+            positions.push(i);
         }
         if self.shards.len() != shards.len() {
             let configured: std::collections::HashSet<&str> =
@@ -110,7 +138,7 @@ impl Manifest {
                 "it lists {extra}, which the config does not"
             )));
         }
-        Ok(counts)
+        Ok(positions)
     }
 
     /// Checks that `shards` (all in the manifest: see [`Manifest::counts`]) are the objects it
@@ -123,11 +151,28 @@ impl Manifest {
         current: &[Version],
     ) -> Result<(), ManifestError> {
         let by_url = self.by_url();
-        for (shard, now) in shards.iter().zip(current) {
-            let then = &by_url
-                .get(shard.as_str())
-                .unwrap_or_else(|| panic!("{shard} was checked to be in the manifest"))
-                .version;
+        let at: Vec<usize> = shards
+            .iter()
+            .map(|shard| {
+                *by_url
+                    .get(shard.as_str())
+                    .unwrap_or_else(|| panic!("{shard} was checked to be in the manifest"))
+            })
+            .collect();
+        self.unchanged_at(url, shards, &at, current)
+    }
+
+    /// [`Manifest::unchanged`], with the manifest index of each of `shards` known (`at[i]`
+    /// describes `shards[i]`, from [`Manifest::positions`]): no lookup by URL.
+    pub fn unchanged_at(
+        &self,
+        url: &str,
+        shards: &[ShardUrl],
+        at: &[usize],
+        current: &[Version],
+    ) -> Result<(), ManifestError> {
+        for ((shard, &i), now) in shards.iter().zip(at).zip(current) {
+            let then = &self.shards[i].version;
             if !same_object(then, now) {
                 return Err(ManifestError::Mismatch {
                     url: url.into(),
@@ -141,8 +186,12 @@ impl Manifest {
         Ok(())
     }
 
-    fn by_url(&self) -> HashMap<&str, &Entry> {
-        self.shards.iter().map(|e| (e.url.as_str(), e)).collect()
+    fn by_url(&self) -> rustc_hash::FxHashMap<&str, usize> {
+        self.shards
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.url.as_str(), i))
+            .collect()
     }
 }
 
@@ -174,30 +223,32 @@ pub async fn versions(
         .await
 }
 
-/// Reads a manifest from a local path or an object URL; returns it with the sample count of
-/// each of `shards` (which it must name exactly, see [`Manifest::counts`]).
+/// Reads a manifest from a local path or an object URL; returns it with the index in it of
+/// each of `shards` (which it must name exactly, see [`Manifest::positions`]).
 pub async fn load(
     stores: &Stores,
     source: &ShardUrl,
     shards: &[ShardUrl],
-) -> Result<(Manifest, Vec<u64>), ManifestError> {
+) -> Result<(Manifest, Vec<usize>), ManifestError> {
     let text = stores.read_whole(source).await?;
     let manifest = Manifest::parse(&text, source.as_str())?;
-    let counts = manifest.counts(source.as_str(), shards)?;
-    Ok((manifest, counts))
+    let positions = manifest.positions(source.as_str(), shards)?;
+    Ok((manifest, positions))
 }
 
 /// Asks the store for the current version of each of `shards` (one HEAD or stat each,
-/// `parallel` at a time) and checks it is the one `manifest` describes.
+/// `parallel` at a time) and checks it is the one `manifest` describes (`at[i]`: the index
+/// in the manifest of `shards[i]`).
 pub async fn check_unchanged(
     stores: &Stores,
     manifest: &Manifest,
     source: &ShardUrl,
     shards: &[ShardUrl],
+    at: &[usize],
     parallel: usize,
 ) -> Result<(), ManifestError> {
     let current = versions(stores, shards, parallel).await?;
-    manifest.unchanged(source.as_str(), shards, &current)
+    manifest.unchanged_at(source.as_str(), shards, at, &current)
 }
 
 /// Indexes `shards`, `parallel` at a time: reads each one (reusing the entry of `previous`

@@ -47,3 +47,90 @@ def test_check_shows_its_progress_over_the_shards(fake_gcs, train_paths, tmp_pat
     )
     last = out.stderr.splitlines()[-1]
     assert last.startswith(f"train: {len(train_paths)}/{len(train_paths)} shards done, {total / 1e6:.1f} MB found"), last
+
+
+UNIT = 10240
+
+
+def _write_padded_shards(directory, shards, samples):
+    """``shards`` tars of ``samples`` samples each; shard i carries UNIT·2^i more bytes than
+    a shard without padding, so a sum of shard sizes says which shards it adds up (UNIT is
+    a tar record: the padding changes no rounding)."""
+    import webdataset as wds
+
+    directory.mkdir()
+    paths = []
+    for i in range(shards):
+        path = directory / f"train-{i:02d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for j in range(samples):
+                pad = b"p" * (UNIT * 2**i) if j == 0 else b""
+                sink.write({"__key__": f"s{i:02d}{j:03d}", "cls": b"1", "pad": pad})
+        paths.append(path)
+    return paths
+
+
+def test_plan_counts_every_shard_once_over_the_hosts(tmp_path):
+    """`shardd plan` on an indexed dataset: 8 shards of 12 samples on 2 hosts × 2 ranks × 3
+    workers cut at shard edges (48 samples a host, 8 a stream, none dropped). The bytes of
+    each host decode to the set of shards it reads: the sets are disjoint and cover all."""
+    import json
+
+    paths = _write_padded_shards(tmp_path / "shards", 8, 12)
+    pattern = str(tmp_path / "shards" / "train-{00..07}.tar")
+    manifest = tmp_path / "train.manifest.json"
+    out = subprocess.run([SHARDD, "index", pattern, "-o", str(manifest)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    config = tmp_path / "c.toml"
+    config.write_text(f'[datasets.train]\nshards = "{pattern}"\nmanifest = "{manifest}"\n')
+    cmd = [SHARDD, "plan", "--config", str(config), "--hosts", "2", "--ranks", "2", "--workers", "3",
+           "--seed", "4", "--epoch", "1"]
+    out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    sizes = [p.stat().st_size for p in paths]
+    base = sizes[0] - UNIT  # what a shard weighs without its padding
+    assert all(s == base + UNIT * 2**i for i, s in enumerate(sizes)), sizes
+    assert (r["dataset_shards"], r["dataset_samples"], r["dataset_bytes"]) == (8, 96, sum(sizes))
+    assert r["samples_per_stream"] == 8
+    masks = []
+    for h, host in enumerate(r["per_host"]):
+        assert (host["host"], host["samples"], host["shards"], host["dropped"]) == (h, 48, 4, 0)
+        mask, rest = divmod(host["bytes"] - 4 * base, UNIT)
+        assert rest == 0 and bin(mask).count("1") == 4, host
+        masks.append(mask)
+    assert masks[0] & masks[1] == 0 and masks[0] | masks[1] == 255
+    s = r["summary"]
+    assert (s["total_samples"], s["total_shards"], s["total_bytes"], s["total_dropped"]) == (96, 8, sum(sizes), 0)
+    assert s["bytes"]["min"] == min(h["bytes"] for h in r["per_host"])
+    assert s["bytes"]["max"] == max(h["bytes"] for h in r["per_host"])
+    assert s["samples"] == {"min": 48, "max": 48, "ratio": 1.0}
+
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == (f"dataset train: 8 shards, 96 samples, {sum(sizes)} bytes; 2 hosts × 2 ranks × 3 workers "
+                        f"(world_size 4), seed 4, epoch 1")
+    assert lines[1] == "every stream: 8 samples"
+    assert lines[-2] == f"total: 96 samples, 8 shard reads, {sum(sizes)} bytes, 0 dropped"
+    assert lines[-1].startswith("spread between hosts: samples min 48 max 48 (max/min 1.0000); shards min 4 max 4")
+
+    elastic = subprocess.run(cmd + ["--from", "1,2,3"], capture_output=True, text=True, timeout=60)
+    assert elastic.returncode == 2
+    assert "not yet implemented" in elastic.stderr
+
+
+def test_plan_without_a_manifest_counts_shards(tmp_path):
+    """Shard-level datasets: no samples nor bytes, every shard on one host."""
+    import json
+
+    config = tmp_path / "c.toml"
+    config.write_text('[datasets.a]\nshards = "/nowhere/a-{0..9}.tar"\n[datasets.b]\nshards = "/nowhere/b-{0..20}.tar"\n')
+    cmd = [SHARDD, "plan", "--config", str(config), "--hosts", "4", "--ranks", "1", "--workers", "2", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "--dataset" in out.stderr, out.stderr
+    r = json.loads(subprocess.run(cmd + ["--dataset", "b"], capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert sorted(h["shards"] for h in r["per_host"]) == [5, 5, 5, 6]
+    assert r["summary"]["total_shards"] == 21
+    assert r["summary"]["total_samples"] is None and r["summary"]["bytes"] is None

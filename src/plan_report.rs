@@ -1,0 +1,462 @@
+//! `shardd plan`: what every host of a job of H hosts × R ranks × K workers reads in one
+//! epoch, from the config (and the dataset's manifest) alone: nothing is read from the
+//! shards and no daemon is asked. For each host, every one of its R × K streams is planned
+//! with `plan::plan_stream`, exactly as the daemons would plan them: samples delivered,
+//! distinct shards fetched, their bytes (the manifest's sizes: a shard is fetched whole even
+//! when the host reads a piece of it), and samples dropped. Then the spread between hosts.
+//! Without a manifest (shard-level plans) there are no sample counts nor sizes: shards only.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+use shardd::config::Config;
+use shardd::manifest::Manifest;
+use shardd::metrics::Metrics;
+use shardd::plan::{self, Shape, StreamRequest, Topology};
+use shardd::store::Stores;
+
+/// `--from H0,R0,K0`: the topology a job is resized from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct From {
+    pub hosts: u32,
+    pub ranks: u32,
+    pub workers: u32,
+}
+
+impl std::str::FromStr for From {
+    type Err = String;
+    fn from_str(s: &str) -> Result<From, String> {
+        let parts: Vec<&str> = s.split(',').collect();
+        let bad = || format!("{s:?} is not HOSTS,RANKS,WORKERS (three positive numbers)");
+        let [h, r, k] = parts[..] else {
+            return Err(bad());
+        };
+        let n = |x: &str| {
+            x.trim()
+                .parse::<u32>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(bad)
+        };
+        Ok(From {
+            hosts: n(h)?,
+            ranks: n(r)?,
+            workers: n(k)?,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Args {
+    pub hosts: u32,
+    pub ranks: u32,
+    pub workers: u32,
+    pub seed: u64,
+    pub epoch: u64,
+    pub dataset: Option<String>,
+    pub json: bool,
+}
+
+/// One host's epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HostReport {
+    pub host: u32,
+    /// Samples all its streams deliver (None without a manifest).
+    pub samples: Option<u64>,
+    /// Distinct shards its streams read (a shard split with another host counts on both).
+    pub shards: u64,
+    /// Bytes of those shards (None without a manifest).
+    pub bytes: Option<u64>,
+    /// Samples of its share this epoch leaves out so that its streams are equal.
+    pub dropped: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Spread {
+    pub min: u64,
+    pub max: u64,
+    /// max / min (None when min is 0).
+    pub ratio: Option<f64>,
+}
+
+impl Spread {
+    fn of(values: impl Iterator<Item = u64>) -> Option<Spread> {
+        let (mut min, mut max, mut any) = (u64::MAX, 0, false);
+        for v in values {
+            (min, max, any) = (min.min(v), max.max(v), true);
+        }
+        any.then(|| Spread {
+            min,
+            max,
+            ratio: (min > 0).then(|| max as f64 / min as f64),
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    /// Sums over hosts.
+    pub total_samples: Option<u64>,
+    pub total_shards: u64,
+    pub total_bytes: Option<u64>,
+    pub total_dropped: u64,
+    pub samples: Option<Spread>,
+    pub shards: Option<Spread>,
+    pub bytes: Option<Spread>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub dataset: String,
+    /// The dataset: shards, and with a manifest its samples and bytes.
+    pub dataset_shards: u64,
+    pub dataset_samples: Option<u64>,
+    pub dataset_bytes: Option<u64>,
+    pub hosts: u32,
+    pub ranks: u32,
+    pub workers: u32,
+    pub seed: u64,
+    pub epoch: u64,
+    /// Samples each stream delivers (with a manifest: the same for every stream).
+    pub samples_per_stream: Option<u64>,
+    pub per_host: Vec<HostReport>,
+    pub summary: Summary,
+}
+
+pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
+    if args.hosts == 0 || args.ranks == 0 || args.workers == 0 {
+        bail!("--hosts, --ranks and --workers must be at least 1");
+    }
+    let mut config = Config::load(config)?;
+    let name = match &args.dataset {
+        Some(name) => name.clone(),
+        None if config.datasets.len() == 1 => config.datasets.keys().next().unwrap().clone(),
+        None => bail!(
+            "the config has {} datasets: say which with --dataset ({})",
+            config.datasets.len(),
+            config
+                .datasets
+                .keys()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    if !config.datasets.contains_key(&name) {
+        let known: Vec<&str> = config.datasets.keys().map(String::as_str).collect();
+        bail!(
+            "unknown dataset {name:?}; the config has: {}",
+            known.join(", ")
+        );
+    }
+    // Only this dataset's store is built (and asked for credentials).
+    config.datasets.retain(|n, _| *n == name);
+    let stores = Stores::from_config(&config, Arc::new(Metrics::new()))?;
+    let mut dataset = config.datasets.remove(&name).expect("checked above");
+    let sizes = match dataset.manifest.clone() {
+        None => None,
+        Some(source) => {
+            stores.check_credentials().await?;
+            let text = stores
+                .read_whole(&source)
+                .await
+                .with_context(|| format!("reading the manifest {source}"))?;
+            let (counts, sizes) = {
+                let manifest = Manifest::parse(&text, source.as_str())?;
+                drop(text);
+                let at = manifest.positions(source.as_str(), &dataset.shards)?;
+                let counts: Vec<u64> = at.iter().map(|&i| manifest.shards[i].samples).collect();
+                let sizes: Vec<u64> = at
+                    .iter()
+                    .map(|&i| manifest.shards[i].version.size)
+                    .collect();
+                (counts, sizes)
+            };
+            dataset.set_counts(counts.into());
+            Some(sizes)
+        }
+    };
+    let json = args.json;
+    let report = tokio::task::spawn_blocking(move || {
+        report(&name, dataset.shape(), sizes.as_deref(), &args, threads())
+    })
+    .await??;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", text(&report));
+    }
+    Ok(())
+}
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A host's report and the samples of one of its streams, or why it cannot be planned.
+type HostResult = anyhow::Result<(HostReport, Option<u64>)>;
+
+/// Plans every stream of every host (`threads` hosts at a time) and sums them up per host.
+pub fn report(
+    name: &str,
+    shape: Shape,
+    sizes: Option<&[u64]>,
+    args: &Args,
+    threads: usize,
+) -> anyhow::Result<Report> {
+    let world = args
+        .hosts
+        .checked_mul(args.ranks)
+        .context("--hosts × --ranks is past 2^32")?;
+    let next = AtomicUsize::new(0);
+    let hosts = args.hosts as usize;
+    let mut per_host: Vec<Option<HostResult>> = (0..hosts).map(|_| None).collect();
+    let results: Vec<Vec<(usize, HostResult)>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.clamp(1, hosts.max(1)))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let h = next.fetch_add(1, Ordering::Relaxed);
+                        if h >= hosts {
+                            return mine;
+                        }
+                        mine.push((h, one_host(shape, sizes, args, world, h as u32)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("planning does not panic"))
+            .collect()
+    });
+    for (h, r) in results.into_iter().flatten() {
+        per_host[h] = Some(r);
+    }
+    let mut reports = Vec::with_capacity(hosts);
+    let mut per_stream = None;
+    for r in per_host {
+        let (report, stream_samples) = r.expect("every host was planned")?;
+        per_stream = per_stream.or(stream_samples);
+        reports.push(report);
+    }
+    let sum = |f: fn(&HostReport) -> Option<u64>| reports.iter().map(f).sum::<Option<u64>>();
+    let spread = |f: fn(&HostReport) -> Option<u64>| {
+        reports
+            .iter()
+            .map(f)
+            .collect::<Option<Vec<u64>>>()
+            .and_then(|v| Spread::of(v.into_iter()))
+    };
+    let summary = Summary {
+        total_samples: sum(|r| r.samples),
+        total_shards: reports.iter().map(|r| r.shards).sum(),
+        total_bytes: sum(|r| r.bytes),
+        total_dropped: reports.iter().map(|r| r.dropped).sum(),
+        samples: spread(|r| r.samples),
+        shards: spread(|r| Some(r.shards)),
+        bytes: spread(|r| r.bytes),
+    };
+    Ok(Report {
+        dataset: name.to_string(),
+        dataset_shards: shape.num_shards as u64,
+        dataset_samples: shape.counts.map(|c| c.iter().sum()),
+        dataset_bytes: sizes.map(|s| s.iter().sum()),
+        hosts: args.hosts,
+        ranks: args.ranks,
+        workers: args.workers,
+        seed: args.seed,
+        epoch: args.epoch,
+        samples_per_stream: per_stream,
+        per_host: reports,
+        summary,
+    })
+}
+
+/// Plans the host's R × K streams; returns its report and the samples of one stream.
+fn one_host(shape: Shape, sizes: Option<&[u64]>, args: &Args, world: u32, host: u32) -> HostResult {
+    let topo = Topology {
+        index: host,
+        count: args.hosts,
+    };
+    let mut shards = Vec::new();
+    let mut samples = Some(0u64);
+    let mut per_stream = None;
+    let mut dropped = 0;
+    for rank in host * args.ranks..(host + 1) * args.ranks {
+        for worker in 0..args.workers {
+            let req = StreamRequest {
+                seed: args.seed,
+                epoch: args.epoch,
+                rank,
+                world_size: world,
+                worker,
+                num_workers: args.workers,
+            };
+            let p = plan::plan_stream(shape, topo, &req)
+                .with_context(|| format!("host {host}, rank {rank}, worker {worker}"))?;
+            shards.extend(p.shards());
+            samples = samples.zip(p.samples).map(|(a, b)| a + b);
+            per_stream = p.samples;
+            dropped = p.dropped;
+        }
+    }
+    shards.sort_unstable();
+    shards.dedup();
+    let bytes = sizes.map(|s| shards.iter().map(|&i| s[i]).sum());
+    Ok((
+        HostReport {
+            host,
+            samples,
+            shards: shards.len() as u64,
+            bytes,
+            dropped,
+        },
+        per_stream,
+    ))
+}
+
+/// The report for a terminal: one line per host, then the spread.
+pub fn text(r: &Report) -> String {
+    use std::fmt::Write;
+    let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "dataset {}: {} shards, {} samples, {} bytes; {} hosts × {} ranks × {} workers (world_size {}), seed {}, epoch {}",
+        r.dataset,
+        r.dataset_shards,
+        opt(r.dataset_samples),
+        opt(r.dataset_bytes),
+        r.hosts,
+        r.ranks,
+        r.workers,
+        r.hosts as u64 * r.ranks as u64,
+        r.seed,
+        r.epoch
+    );
+    if let Some(n) = r.samples_per_stream {
+        let _ = writeln!(out, "every stream: {n} samples");
+    }
+    let _ = writeln!(
+        out,
+        "{:>6} {:>14} {:>10} {:>18} {:>8}",
+        "HOST", "SAMPLES", "SHARDS", "BYTES", "DROPPED"
+    );
+    for h in &r.per_host {
+        let _ = writeln!(
+            out,
+            "{:>6} {:>14} {:>10} {:>18} {:>8}",
+            h.host,
+            opt(h.samples),
+            h.shards,
+            opt(h.bytes),
+            h.dropped
+        );
+    }
+    let s = &r.summary;
+    let spread = |what: &str, sp: &Option<Spread>| match sp {
+        Some(sp) => format!(
+            "{what} min {} max {} (max/min {})",
+            sp.min,
+            sp.max,
+            sp.ratio.map_or("-".into(), |x| format!("{x:.4}"))
+        ),
+        None => format!("{what} -"),
+    };
+    let _ = writeln!(
+        out,
+        "total: {} samples, {} shard reads, {} bytes, {} dropped",
+        opt(s.total_samples),
+        s.total_shards,
+        opt(s.total_bytes),
+        s.total_dropped
+    );
+    let _ = writeln!(
+        out,
+        "spread between hosts: {}; {}; {}",
+        spread("samples", &s.samples),
+        spread("shards", &s.shards),
+        spread("bytes", &s.bytes)
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(hosts: u32, ranks: u32, workers: u32) -> Args {
+        Args {
+            hosts,
+            ranks,
+            workers,
+            seed: 5,
+            epoch: 2,
+            dataset: None,
+            json: false,
+        }
+    }
+
+    #[test]
+    fn parses_from() {
+        assert_eq!(
+            "8,4,2".parse::<From>().unwrap(),
+            From {
+                hosts: 8,
+                ranks: 4,
+                workers: 2
+            }
+        );
+        for bad in ["8,4", "8,4,0", "a,b,c", "1,2,3,4"] {
+            assert!(bad.parse::<From>().is_err(), "{bad}");
+        }
+    }
+
+    /// Sizes 2^i make a host's bytes the set of shards it reads: over the hosts every shard
+    /// is read, and only the shards split between two hosts are read twice.
+    #[test]
+    fn every_shard_is_counted_and_the_threads_do_not_matter() {
+        let counts = [7u64, 3, 12, 5, 9, 1, 4, 8, 6, 2, 11, 10];
+        let sizes: Vec<u64> = (0..counts.len()).map(|i| 1 << i).collect();
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(counts.len())
+        };
+        let a = args(3, 2, 2);
+        let r = report("t", shape, Some(&sizes), &a, 1).unwrap();
+        assert_eq!(r, report("t", shape, Some(&sizes), &a, 4).unwrap());
+        let total: u64 = counts.iter().sum();
+        let per_stream = total / 3 / 4;
+        assert_eq!(r.samples_per_stream, Some(per_stream));
+        assert!(r.per_host.iter().all(|h| h.samples == Some(per_stream * 4)));
+        assert_eq!(
+            r.summary.total_samples.unwrap() + r.summary.total_dropped,
+            total
+        );
+        let union = r.per_host.iter().fold(0, |u, h| u | h.bytes.unwrap());
+        assert_eq!(union, (1 << counts.len()) - 1, "every shard is read");
+        let split = r.summary.total_shards - counts.len() as u64;
+        assert!(split <= 2, "at most hosts - 1 shards are split: {split}");
+        assert_eq!(
+            r.summary.bytes.as_ref().unwrap().max,
+            r.per_host.iter().map(|h| h.bytes.unwrap()).max().unwrap()
+        );
+    }
+
+    #[test]
+    fn shard_level_counts_shards_only() {
+        let a = args(4, 2, 3);
+        let r = report("t", Shape::shards(50), None, &a, 2).unwrap();
+        assert_eq!(r.summary.total_shards, 50);
+        assert_eq!(r.summary.total_samples, None);
+        assert_eq!(r.summary.bytes, None);
+        let s = r.summary.shards.as_ref().unwrap();
+        assert_eq!((s.min, s.max), (12, 13));
+        assert!(text(&r).contains("spread between hosts: samples -; shards min 12 max 13"));
+    }
+}
