@@ -10,7 +10,8 @@
 
 use std::time::Instant;
 
-use shardd::plan::{Shape, StreamRequest, Topology, plan_stream, warm_shards};
+use shardd::elastic::{self, Origin};
+use shardd::plan::{Shape, ShareCache, StreamRequest, Topology, plan_stream, warm_shards};
 use shardd::shuffle::{self, SplitMix64, tag};
 
 fn median(mut f: impl FnMut()) -> f64 {
@@ -73,9 +74,50 @@ fn main() {
     let shard_level = median(|| {
         std::hint::black_box(plan_stream(Shape::shards(n), host, &req).unwrap());
     });
+    // The daemon's case: the dataset keeps its share order and running counts (filled once,
+    // by the first plan, timed here apart).
+    let cache = ShareCache::default();
+    let cached = Shape {
+        share: Some(&cache),
+        ..shape
+    };
+    let t = Instant::now();
+    plan_stream(cached, host, &req).unwrap();
+    let first = t.elapsed().as_secs_f64() * 1e3;
+    let plan_cached = median(|| {
+        std::hint::black_box(plan_stream(cached, host, &req).unwrap());
+    });
+    // An elastic resume from twice the hosts, half-way through the epoch: the redistribution
+    // and the plans of the old streams the new stream reads the rest of.
+    let old_hosts = hosts * 2;
+    let old = StreamRequest {
+        world_size: old_hosts * ranks,
+        ..req
+    };
+    let length = shardd::plan::stream_samples(&counts, cached, old_hosts, &old).unwrap();
+    let origin = Origin {
+        hosts: old_hosts,
+        world_size: old_hosts * ranks,
+        num_workers: workers,
+        positions: vec![length / 2; workers as usize],
+        from: None,
+    };
+    let mut segments = 0;
+    let resume = median(|| {
+        let e = elastic::plan(cached, host, &req, &origin).unwrap();
+        segments = e.segments.len();
+        for s in &e.segments {
+            std::hint::black_box(plan_stream(cached, s.host, &s.req).unwrap());
+        }
+    });
     println!("{n} shards, {hosts} hosts × {ranks} ranks × {workers} workers, medians of 9:");
     println!("  Fisher-Yates of the {n} shard indices   {shuffle_all:8.1} ms");
     println!("  warm_shards (the host's share)          {share:8.1} ms");
     println!("  plan_stream, sample level ({pieces} pieces) {plan:8.1} ms");
     println!("  plan_stream, shard level                {shard_level:8.1} ms");
+    println!("  with the dataset's share cache (the daemon's plans; first fill {first:.1} ms):");
+    println!("  plan_stream, sample level               {plan_cached:8.3} ms");
+    println!(
+        "  elastic resume from {old_hosts} hosts at half the epoch ({segments} runs, planned) {resume:8.3} ms"
+    );
 }

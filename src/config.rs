@@ -354,12 +354,15 @@ pub struct Dataset {
     pub counts: Option<std::sync::Arc<[u64]>>,
     /// MD5 of the shard list and the counts: what the data is, for plan fingerprints.
     identity: [u8; 16],
+    /// What its plans share (`plan::ShareCache`); new when the counts are set.
+    share: std::sync::Arc<crate::plan::ShareCache>,
 }
 
 impl Dataset {
     pub fn set_counts(&mut self, counts: std::sync::Arc<[u64]>) {
         self.counts = Some(counts);
         self.identity = identity(&self.shards, self.counts.as_deref());
+        self.share = Default::default();
     }
 
     pub fn identity(&self) -> [u8; 16] {
@@ -375,6 +378,7 @@ impl Dataset {
             samples_per_epoch: self.samples_per_epoch,
             resampled: self.resampled,
             epoch_base: None,
+            share: Some(&self.share),
         }
     }
 }
@@ -721,6 +725,7 @@ fn validate_dataset(
         share_seed: d.share_seed,
         warm: d.warm,
         identity: identity(&shards, None),
+        share: Default::default(),
         manifest,
         samples_per_epoch: d.samples_per_epoch,
         resampled: d.resampled,
