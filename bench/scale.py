@@ -10,8 +10,10 @@ config whose dataset is a local directory, then measures a release daemon that i
     plan a `start=` resume (op "plan" with `start`), and to open a `start=` resume (op
     "stream" up to its START frame: that op also plans the next epoch for the prefetcher),
     each the median of --repeat, from the Python client;
+  - the time to plan an elastic resume onto this topology from twice the hosts, half read;
   - RSS after planning (and the peak, VmHWM);
-  - `shardd plan` (every stream of every host) on the same config, timed.
+  - `shardd plan` (every stream of every host) on the same config, timed;
+  - `shardd plan --from` for 2→1, 2→4 and 64→32 hosts: what each new host must fetch.
 
 Prints the figures. What the daemon checks at start: with a manifest it stats (a HEAD on a
 bucket) every shard of its own host's share, ~shards/hosts of them, and refuses to start if
@@ -184,10 +186,34 @@ def open_until_start(sock, fields):
         s.close()
 
 
-def elastic_resume(sock, args):
-    """HOOK (elastic resume, src/elastic.rs): time the plan of an elastic resume here, from
-    the old topology to this one, once the protocol carries it. Returns None until then."""
-    return None
+def elastic_resume(sock, request, samples, args):
+    """The plan of an elastic resume onto this topology from one with twice the hosts,
+    checkpointed half-way through every old stream: (median, min, max) seconds."""
+    old_world = 2 * args.hosts * args.ranks
+    old_samples = samples // 2  # twice the hosts: each old stream had half as many
+    origin = {"hosts": 2 * args.hosts, "world_size": old_world, "num_workers": args.workers,
+              "positions": [old_samples // 2] * args.workers}
+    fields = dict(request("plan", 1), resume_from=origin)
+    return timed(lambda: open_until_start(sock, fields), args.repeat)
+
+
+def locality(binary, config, args):
+    """`shardd plan --from` for 2→1, 2→4 and 64→32 hosts (the rest of a half-read epoch):
+    how much of what the new hosts read each must fetch from the store."""
+    for old, new in [(2, 1), (2, 4), (64, 32)]:
+        cmd = [binary, "plan", "--config", str(config), "--hosts", str(new), "--ranks",
+               str(args.ranks), "--workers", str(args.workers), "--from",
+               f"{old},{args.ranks},{args.workers}", "--json"]
+        t = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        took = time.perf_counter() - t
+        if out.returncode != 0:
+            print(f"  {old:>3} → {new:<3} hosts     failed: {out.stderr.strip()}")
+            continue
+        z = json.loads(out.stdout)["resize"]
+        per = ", ".join(f"{h['fetch_bytes'] / max(1, h['bytes']):.0%}" for h in z["per_host"][:4])
+        print(f"  {old:>3} → {new:<3} hosts     fetch {z['fetch_fraction']:.1%} of the bytes read "
+              f"(hosts 0..: {per}{', ...' if len(z['per_host']) > 4 else ''}); {took:.1f} s")
 
 
 def main():
@@ -235,9 +261,9 @@ def main():
             med, lo, hi = timed(fn, args.repeat)
             print(f"  {label:<22} {med * 1e3:8.1f} ms median of {args.repeat} "
                   f"(min {lo * 1e3:.1f}, max {hi * 1e3:.1f})")
-        e = elastic_resume(sock, args)
-        print("  elastic resume         " + ("not measured yet (hook: elastic_resume)"
-                                             if e is None else f"{e * 1e3:8.1f} ms"))
+        med, lo, hi = elastic_resume(sock, request, samples, args)
+        print(f"  {'plan an elastic resume':<22} {med * 1e3:8.1f} ms median of {args.repeat} "
+              f"(min {lo * 1e3:.1f}, max {hi * 1e3:.1f}; from {2 * args.hosts} hosts, half read)")
         now, peak = rss(proc.pid)
         print(f"  RSS after planning     {now:8.0f} MB (peak {peak:.0f} MB)")
     finally:
@@ -256,6 +282,9 @@ def main():
             print(f"  shardd plan            {took:8.2f} s for every stream of {args.hosts} hosts; "
                   f"bytes per host min {summary['bytes']['min'] / 1e9:.1f} GB, "
                   f"max {summary['bytes']['max'] / 1e9:.1f} GB")
+    if not args.skip_plan_cli:
+        print("elastic resume locality (shardd plan --from; a host index names a machine):")
+        locality(args.binary, config, args)
     print(f"  (files in {d})")
 
 

@@ -124,9 +124,15 @@ enum Command {
         /// One JSON object on stdout instead of the table.
         #[arg(long)]
         json: bool,
-        /// What an elastic resume from HOSTS,RANKS,WORKERS would fetch (not yet implemented).
+        /// Also what an elastic resume from a job of H0 hosts × R0 ranks × K0 workers would
+        /// read: per new host, the rest of the epoch it reads and how much of it is not in
+        /// its own old share (must be fetched from the store). Needs a manifest.
         #[arg(long, value_name = "H0,R0,K0")]
         from: Option<plan_report::From>,
+        /// With --from: samples each old worker's stream had delivered at the checkpoint
+        /// (default: half of an old stream).
+        #[arg(long, requires = "from")]
+        position: Option<u64>,
     },
     /// Print what a running daemon is doing (its /status) as a table.
     Status {
@@ -218,11 +224,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             dataset,
             json,
             from,
+            position,
         } => {
-            if from.is_some() {
-                eprintln!("shardd: plan --from: not yet implemented");
-                std::process::exit(2);
-            }
             let args = plan_report::Args {
                 hosts,
                 ranks,
@@ -231,6 +234,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 epoch,
                 dataset,
                 json,
+                from,
+                position,
             };
             runtime.block_on(plan_report::run(&config, args))
         }

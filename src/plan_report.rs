@@ -58,6 +58,10 @@ pub struct Args {
     pub epoch: u64,
     pub dataset: Option<String>,
     pub json: bool,
+    /// `--from`: also report an elastic resume from that topology.
+    pub from: Option<From>,
+    /// `--position`: each old worker's samples delivered at the checkpoint.
+    pub position: Option<u64>,
 }
 
 /// One host's epoch.
@@ -124,6 +128,36 @@ pub struct Report {
     pub samples_per_stream: Option<u64>,
     pub per_host: Vec<HostReport>,
     pub summary: Summary,
+    /// With `--from`: what the elastic resume reads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resize: Option<Resize>,
+}
+
+/// What one new host reads of the rest of an epoch resumed elastically.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HostFetch {
+    pub host: u32,
+    pub samples: u64,
+    /// Distinct shards its runs read (from the shuffle window that holds each start).
+    pub shards: u64,
+    pub bytes: Option<u64>,
+    /// Of them, the shards not in the same host index's old share: fetched from the store
+    /// (all of them on a host the old job did not have).
+    pub fetch_shards: u64,
+    pub fetch_bytes: Option<u64>,
+}
+
+/// `--from`: an elastic resume from the old topology at `position`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Resize {
+    pub from: String,
+    pub position: u64,
+    /// What the checkpoint left of the epoch, and of it what no new stream reads.
+    pub remainder: u64,
+    pub dropped: u64,
+    pub per_host: Vec<HostFetch>,
+    /// fetch_bytes / bytes over all hosts (fetch_shards / shards without sizes).
+    pub fetch_fraction: f64,
 }
 
 pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
@@ -181,7 +215,18 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
     };
     let json = args.json;
     let report = tokio::task::spawn_blocking(move || {
-        report(&name, dataset.shape(), sizes.as_deref(), &args, threads())
+        let mut r = report(&name, dataset.shape(), sizes.as_deref(), &args, threads())?;
+        if let Some(from) = args.from {
+            let window = dataset.shuffle_buffer;
+            r.resize = Some(resize(
+                dataset.shape(),
+                sizes.as_deref(),
+                window,
+                &args,
+                from,
+            )?);
+        }
+        anyhow::Ok(r)
     })
     .await??;
     if json {
@@ -274,7 +319,159 @@ pub fn report(
         samples_per_stream: per_stream,
         per_host: reports,
         summary,
+        resize: None,
     })
+}
+
+/// What an elastic resume from `from` (every old worker at `args.position`, default half an
+/// old stream) reads on each new host, and what of it each must fetch: shards outside the old
+/// share of the host with the same index (host indices name machines; a new index has an
+/// empty cache). Plans exactly what the daemons would (`elastic::split`, and the runs' pieces
+/// from the window that holds each start).
+pub fn resize(
+    shape: Shape,
+    sizes: Option<&[u64]>,
+    window: usize,
+    args: &Args,
+    from: From,
+) -> anyhow::Result<Resize> {
+    let counts = shape
+        .counts
+        .context("--from: an elastic resume needs the dataset's manifest")?;
+    let old_world = from
+        .hosts
+        .checked_mul(from.ranks)
+        .context("--from is too large")?;
+    let old_req = StreamRequest {
+        seed: args.seed,
+        epoch: args.epoch,
+        rank: 0,
+        world_size: old_world,
+        worker: 0,
+        num_workers: from.workers,
+    };
+    let length = plan::stream_samples(counts, shape, from.hosts, &old_req).unwrap_or(0);
+    let position = args.position.unwrap_or(length / 2);
+    let origin = shardd::elastic::Origin {
+        hosts: from.hosts,
+        world_size: old_world,
+        num_workers: from.workers,
+        positions: vec![position; from.workers as usize],
+        from: None,
+    };
+    let req = StreamRequest {
+        world_size: args.hosts * args.ranks,
+        num_workers: args.workers,
+        ..old_req
+    };
+    let split = shardd::elastic::split(shape, args.hosts, &req, &origin)?;
+    let next = AtomicUsize::new(0);
+    let hosts = args.hosts as usize;
+    let mut per_host: Vec<Option<HostFetch>> = vec![None; hosts];
+    let results: Vec<Vec<(usize, HostFetch)>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads().clamp(1, hosts.max(1)))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let h = next.fetch_add(1, Ordering::Relaxed);
+                        if h >= hosts {
+                            return mine;
+                        }
+                        mine.push((h, host_fetch(shape, sizes, window, &split, from, h)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("planning does not panic"))
+            .collect()
+    });
+    for (h, r) in results.into_iter().flatten() {
+        per_host[h] = Some(r);
+    }
+    let per_host: Vec<HostFetch> = per_host.into_iter().map(|r| r.expect("planned")).collect();
+    let fraction = |part: u64, whole: u64| {
+        if whole == 0 {
+            0.0
+        } else {
+            part as f64 / whole as f64
+        }
+    };
+    let fetch_fraction = match sizes {
+        Some(_) => fraction(
+            per_host.iter().filter_map(|h| h.fetch_bytes).sum(),
+            per_host.iter().filter_map(|h| h.bytes).sum(),
+        ),
+        None => fraction(
+            per_host.iter().map(|h| h.fetch_shards).sum(),
+            per_host.iter().map(|h| h.shards).sum(),
+        ),
+    };
+    Ok(Resize {
+        from: format!("{},{},{}", from.hosts, from.ranks, from.workers),
+        position,
+        remainder: split.remainder,
+        dropped: split.dropped,
+        per_host,
+        fetch_fraction,
+    })
+}
+
+fn host_fetch(
+    shape: Shape,
+    sizes: Option<&[u64]>,
+    window: usize,
+    split: &shardd::elastic::Split,
+    from: From,
+    h: usize,
+) -> HostFetch {
+    let mut plans = std::collections::HashMap::new();
+    let mut shards = std::collections::BTreeSet::new();
+    let mut samples = 0;
+    for seg in split.hosts[h].iter().flatten() {
+        samples += seg.to - seg.from;
+        let plan = plans
+            .entry((seg.host.index, seg.req.rank, seg.req.worker))
+            .or_insert_with(|| {
+                plan::plan_stream(shape, seg.host, &seg.req).expect("planned before")
+            })
+            .clone();
+        let run = shardd::stream::Run {
+            plan,
+            from: seg.from,
+            to: Some(seg.to),
+        };
+        shards.extend(
+            shardd::stream::run_pieces(&run, window)
+                .iter()
+                .map(|p| p.shard),
+        );
+    }
+    let old: std::collections::HashSet<usize> = if (h as u32) < from.hosts {
+        let topo = Topology {
+            index: h as u32,
+            count: from.hosts,
+        };
+        plan::warm_shards(shape, topo).into_iter().collect()
+    } else {
+        Default::default()
+    };
+    let fetch: Vec<usize> = shards
+        .iter()
+        .copied()
+        .filter(|s| !old.contains(s))
+        .collect();
+    let bytes = |list: &mut dyn Iterator<Item = usize>| sizes.map(|z| list.map(|i| z[i]).sum());
+    HostFetch {
+        host: h as u32,
+        samples,
+        shards: shards.len() as u64,
+        bytes: bytes(&mut shards.iter().copied()),
+        fetch_shards: fetch.len() as u64,
+        fetch_bytes: bytes(&mut fetch.iter().copied()),
+    }
 }
 
 /// Plans the host's R × K streams; returns its report and the samples of one stream.
@@ -383,6 +580,30 @@ pub fn text(r: &Report) -> String {
         spread("shards", &s.shards),
         spread("bytes", &s.bytes)
     );
+    if let Some(z) = &r.resize {
+        let _ = writeln!(
+            out,
+            "elastic resume from {} (hosts,ranks,workers) with every old worker at sample {}: {} samples left, {} dropped; per new host (fetch: not in the same host index's old share):",
+            z.from, z.position, z.remainder, z.dropped
+        );
+        for h in &z.per_host {
+            let _ = writeln!(
+                out,
+                "  host {:>5}: {} samples, {} shards, {} bytes; fetch {} shards, {} bytes",
+                h.host,
+                h.samples,
+                h.shards,
+                opt(h.bytes),
+                h.fetch_shards,
+                opt(h.fetch_bytes)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "elastic resume fetches {:.1}% of what it reads from the store",
+            100.0 * z.fetch_fraction
+        );
+    }
     out
 }
 
@@ -392,6 +613,8 @@ mod tests {
 
     fn args(hosts: u32, ranks: u32, workers: u32) -> Args {
         Args {
+            from: None,
+            position: None,
             hosts,
             ranks,
             workers,

@@ -116,9 +116,28 @@ def test_plan_counts_every_shard_once_over_the_hosts(tmp_path):
     assert lines[-2] == f"total: 96 samples, 8 shard reads, {sum(sizes)} bytes, 0 dropped"
     assert lines[-1].startswith("spread between hosts: samples min 48 max 48 (max/min 1.0000); shards min 4 max 4")
 
-    elastic = subprocess.run(cmd + ["--from", "1,2,3"], capture_output=True, text=True, timeout=60)
-    assert elastic.returncode == 2
-    assert "not yet implemented" in elastic.stderr
+    # --from: a job of 1 host × 2 ranks × 3 workers (6 streams of 16) checkpointed at sample 8
+    # of every stream, resumed on these 2 hosts: 48 samples left, 24 per new host; host 0 had
+    # every shard in its old share, host 1 is new and fetches all it reads.
+    elastic = subprocess.run(cmd + ["--json", "--from", "1,2,3"], capture_output=True, text=True,
+                             timeout=60)
+    assert elastic.returncode == 0, elastic.stderr
+    z = json.loads(elastic.stdout)["resize"]
+    assert (z["from"], z["position"], z["remainder"], z["dropped"]) == ("1,2,3", 8, 48, 0)
+    h0, h1 = z["per_host"]
+    assert (h0["samples"], h1["samples"]) == (24, 24)
+    assert (h0["fetch_shards"], h0["fetch_bytes"]) == (0, 0)
+    assert (h1["fetch_shards"], h1["fetch_bytes"]) == (h1["shards"], h1["bytes"]) and h1["shards"] > 0
+    assert z["fetch_fraction"] == h1["bytes"] / (h0["bytes"] + h1["bytes"])
+    text = subprocess.run(cmd + ["--from", "1,2,3", "--position", "16"], capture_output=True,
+                          text=True, timeout=60)
+    assert "with every old worker at sample 16: 0 samples left" in text.stdout, text.stdout
+    plain = tmp_path / "plain.toml"
+    plain.write_text(f'[datasets.train]\nshards = "{pattern}"\n')
+    no_manifest = subprocess.run([SHARDD, "plan", "--config", str(plain), "--hosts", "1",
+                                  "--ranks", "1", "--workers", "1", "--from", "2,1,1"],
+                                 capture_output=True, text=True, timeout=60)
+    assert no_manifest.returncode != 0 and "needs the dataset's manifest" in no_manifest.stderr
 
 
 def test_plan_without_a_manifest_counts_shards(tmp_path):
