@@ -21,8 +21,9 @@ fuzz_target!(|data: &[u8]| {
             .datasets
             .values()
             .flat_map(|d| match &d.shards {
-                Patterns::One(p) => vec![p.clone()],
-                Patterns::Many(ps) => ps.clone(),
+                Some(Patterns::One(p)) => vec![p.clone()],
+                Some(Patterns::Many(ps)) => ps.clone(),
+                None => Vec::new(), // a mix
             })
             .map(|p| braces::count(&p).unwrap_or(0))
             .sum();
