@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 mod index;
 mod malloc;
 mod progress;
+mod units;
 mod warm;
 
 #[derive(Parser)]
@@ -104,6 +105,12 @@ enum Command {
         #[arg(long, default_value = "http://127.0.0.1:9464")]
         url: String,
     },
+    /// Write the systemd units built into this binary (shardd.service, shardd.socket), with
+    /// ExecStart running this binary.
+    InstallUnits {
+        #[arg(long, default_value = units::DEFAULT_DIR)]
+        dir: PathBuf,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -178,6 +185,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Demo => runtime.block_on(shardd::demo::run()),
         Command::Status { url } => runtime.block_on(status(&url)),
+        Command::InstallUnits { dir } => units::install(&dir),
     }
 }
 
