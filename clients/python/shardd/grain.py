@@ -212,21 +212,24 @@ class _Reader:
         return item[0]
 
     def stop(self):
-        """Ends the thread and the stream's connection (the daemon cancels the stream)."""
+        """Ends the thread and the stream's connection (the daemon cancels the stream). A
+        thread still opening its stream closes it itself once open."""
         with self._cond:
             self._stopped = True
             stream = self._stream
             self._cond.notify_all()
-        if stream is not None:
-            sock = stream._sock
-            if sock is not None:
-                try:  # wakes the thread if it waits in recv
-                    sock.shutdown(_socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        if stream is None:
+            return
+        # The cut below is ours, not the daemon's: no reconnect, no warning about it.
+        stream._reconnect_timeout = 0
+        sock = stream._sock
+        if sock is not None:
+            try:  # wakes the thread if it waits in recv
+                sock.shutdown(_socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._thread.join()
-        if self._stream is not None:
-            self._stream.close()
+        stream.close()
 
 
 class ShardDatasetIterator(grain.DatasetIterator):
