@@ -141,6 +141,7 @@ impl Request {
             num_workers: 1,
             seed: 0,
             start: 0,
+            resume_from: None,
         }
     }
 }

@@ -179,7 +179,12 @@ pub struct S3Section {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetSection {
-    pub shards: Patterns,
+    /// Required, unless the dataset is a mix.
+    #[serde(default)]
+    pub shards: Option<Patterns>,
+    /// A mix of other datasets: `mix = { web = 3, books = 1 }` (integer weights).
+    #[serde(default)]
+    pub mix: Option<BTreeMap<String, u64>>,
     #[serde(default = "default_shuffle_buffer")]
     pub shuffle_buffer: usize,
     #[serde(default)]
@@ -190,6 +195,8 @@ pub struct DatasetSection {
     pub manifest: Option<String>,
     #[serde(default)]
     pub samples_per_epoch: Option<u64>,
+    #[serde(default)]
+    pub resampled: bool,
 }
 
 fn default_shuffle_buffer() -> usize {
@@ -241,6 +248,19 @@ pub struct Config {
     pub gcs: Option<GcsSection>,
     pub s3: Option<S3Section>,
     pub datasets: BTreeMap<String, Dataset>,
+    /// Mixes of the datasets above (`[datasets.NAME] mix = {...}`), served like datasets.
+    pub mixes: BTreeMap<String, MixDataset>,
+}
+
+/// A weighted mix of datasets of the same config: every stream interleaves its sources so
+/// that each prefix holds them in proportion (`mix.rs`), and reads each as its own stream.
+#[derive(Debug, Clone)]
+pub struct MixDataset {
+    pub name: String,
+    /// (source dataset, weight), in name order.
+    pub sources: Vec<(String, u64)>,
+    /// Samples every stream of the mix gets per epoch.
+    pub samples_per_epoch: u64,
 }
 
 /// How a download is checked against its source (`store.verify`).
@@ -277,6 +297,8 @@ pub struct Dataset {
     pub manifest: Option<ShardUrl>,
     /// Samples every stream gets per epoch (manifest mode), wrapping into the next pass.
     pub samples_per_epoch: Option<u64>,
+    /// Streams draw shards of the host's share with replacement (webdataset's `resampled`).
+    pub resampled: bool,
     /// Samples per shard, in `shards` order, once the daemon has loaded and checked the
     /// manifest (set it with [`Dataset::set_counts`]).
     pub counts: Option<std::sync::Arc<[u64]>>,
@@ -301,6 +323,7 @@ impl Dataset {
             counts: self.counts.as_deref(),
             share_seed: self.share_seed,
             samples_per_epoch: self.samples_per_epoch,
+            resampled: self.resampled,
         }
     }
 }
@@ -432,9 +455,19 @@ impl FileConfig {
             return Err(invalid("no [datasets.NAME] section: nothing to serve"));
         }
         let mut datasets = BTreeMap::new();
+        let mut mix_sections = Vec::new();
         for (name, d) in self.datasets {
+            if d.mix.is_some() {
+                mix_sections.push((name, d));
+                continue;
+            }
             let dataset = validate_dataset(&name, d, base_dir)?;
             datasets.insert(name, dataset);
+        }
+        let mut mixes = BTreeMap::new();
+        for (name, d) in mix_sections {
+            let mix = validate_mix(&name, d, &datasets)?;
+            mixes.insert(name, mix);
         }
 
         Ok(Config {
@@ -464,8 +497,62 @@ impl FileConfig {
             gcs,
             s3: self.s3,
             datasets,
+            mixes,
         })
     }
+}
+
+/// A mix names at least two datasets of this config that have manifests (its streams are
+/// exact in samples), with weights ≥ 1, and its `samples_per_epoch`; nothing of its own else.
+fn validate_mix(
+    name: &str,
+    d: DatasetSection,
+    datasets: &BTreeMap<String, Dataset>,
+) -> Result<MixDataset, ConfigError> {
+    let mix = d.mix.unwrap_or_default();
+    if d.shards.is_some() || d.manifest.is_some() || d.resampled || d.warm {
+        return Err(invalid(format!(
+            "dataset {name:?}: a mix has no shards, manifest, resampled or warm of its own: set them on its sources"
+        )));
+    }
+    if mix.len() < 2 {
+        return Err(invalid(format!(
+            "dataset {name:?}: mix needs at least two sources, e.g. mix = {{ web = 3, books = 1 }}"
+        )));
+    }
+    let Some(samples_per_epoch) = d.samples_per_epoch.filter(|&n| n > 0) else {
+        return Err(invalid(format!(
+            "dataset {name:?}: a mix needs samples_per_epoch (at least 1): the samples every stream gets per epoch"
+        )));
+    };
+    for (source, &weight) in &mix {
+        let Some(s) = datasets.get(source) else {
+            let known: Vec<&str> = datasets.keys().map(String::as_str).collect();
+            return Err(invalid(format!(
+                "dataset {name:?}: mix source {source:?} is not a dataset of this config (they are: {}); a mix cannot contain a mix",
+                known.join(", ")
+            )));
+        };
+        if s.manifest.is_none() {
+            return Err(invalid(format!(
+                "dataset {name:?}: mix source {source:?} needs a manifest (shardd index): a mix reads its sources in samples"
+            )));
+        }
+        if weight == 0 {
+            return Err(invalid(format!(
+                "dataset {name:?}: mix weight of {source:?} must be at least 1"
+            )));
+        }
+    }
+    let sources: Vec<(String, u64)> = mix.into_iter().collect();
+    let weights: Vec<u64> = sources.iter().map(|s| s.1).collect();
+    crate::mix::Mix::new(&weights, samples_per_epoch)
+        .map_err(|e| invalid(format!("dataset {name:?}: mix: {e}")))?;
+    Ok(MixDataset {
+        name: name.to_string(),
+        sources,
+        samples_per_epoch,
+    })
 }
 
 fn validate_dataset(
@@ -473,7 +560,12 @@ fn validate_dataset(
     d: DatasetSection,
     base_dir: &Path,
 ) -> Result<Dataset, ConfigError> {
-    let patterns = match d.shards {
+    let Some(shards) = d.shards else {
+        return Err(invalid(format!(
+            "dataset {name:?}: missing field `shards` (or `mix`, for a mix of other datasets)"
+        )));
+    };
+    let patterns = match shards {
         Patterns::One(p) => vec![p],
         Patterns::Many(ps) => ps,
     };
@@ -519,6 +611,11 @@ fn validate_dataset(
                 "dataset {name:?}: samples_per_epoch needs a manifest (shardd index) to count samples"
             )));
         }
+        None if d.resampled => {
+            return Err(invalid(format!(
+                "dataset {name:?}: resampled = true needs samples_per_epoch (and a manifest): a resampled stream has no end of its own"
+            )));
+        }
         _ => {}
     }
     let mut seen = std::collections::HashSet::new();
@@ -536,6 +633,7 @@ fn validate_dataset(
         identity: identity(&shards, None),
         manifest,
         samples_per_epoch: d.samples_per_epoch,
+        resampled: d.resampled,
         counts: None,
         shards,
     })

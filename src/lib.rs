@@ -14,6 +14,7 @@
 //! | prefetch | `prefetch.rs` | what to load next, from the plans of the open streams (and their next epoch) |
 //! | manifest | `manifest.rs` | per-shard sizes, ETags, checksums, sample counts (`shardd index`) |
 //! | plan | `plan.rs` | (seed, epoch, topology, rank, worker) → which samples (pieces of shards), in which order |
+//! | elastic | `elastic.rs` | a checkpoint's rest of the epoch, redistributed over another topology |
 //! | shard | `shard.rs` | tar bytes → WebDataset samples (zero-copy slices) |
 //! | shuffle | `shuffle.rs` | seeded generator; windowed sample shuffle |
 //! | stream | `stream.rs` | one stream: shards from the cache → parse → shuffle → batch frames |
@@ -35,10 +36,12 @@ pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod demo;
+pub mod elastic;
 pub mod host;
 pub mod http;
 pub mod manifest;
 pub mod metrics;
+pub mod mix;
 pub mod plan;
 pub mod prefetch;
 pub mod protocol;

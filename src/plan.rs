@@ -80,6 +80,8 @@ pub struct Shape<'a> {
     pub share_seed: u64,
     /// Samples per stream per epoch, fixed (sample-level mode only).
     pub samples_per_epoch: Option<u64>,
+    /// Streams draw pieces of the host's share with replacement (needs `samples_per_epoch`).
+    pub resampled: bool,
 }
 
 impl Shape<'_> {
@@ -90,6 +92,7 @@ impl Shape<'_> {
             counts: None,
             share_seed: 0,
             samples_per_epoch: None,
+            resampled: false,
         }
     }
 }
@@ -121,6 +124,12 @@ pub enum PlanError {
     NoSamples,
     #[error("epoch {epoch} is past the end of what samples_per_epoch can number")]
     EpochTooLarge { epoch: u64 },
+    #[error(
+        "an elastic resume (resume_from) needs the dataset's sample counts: give it a manifest (`shardd index`)"
+    )]
+    ElasticNeedsManifest,
+    #[error("resume_from: {0}")]
+    BadOrigin(String),
 }
 
 /// A run of one shard's samples, in tar order: samples `start..end` (`end: None` = to the
@@ -143,6 +152,9 @@ pub struct StreamPlan {
     pub samples: Option<u64>,
     /// Samples this host leaves out this epoch so that every stream gets as many.
     pub dropped: u64,
+    /// The pass over the host's share this stream starts in (sample-level mode; with
+    /// `samples_per_epoch` an epoch may start in a later pass).
+    pub pass: u64,
 }
 
 impl StreamPlan {
@@ -159,15 +171,9 @@ pub fn plan_stream(
     req: &StreamRequest,
 ) -> Result<StreamPlan, PlanError> {
     let local_rank = validate(host, req)?;
-    let stream_key = shuffle::key(&[
-        tag::STREAM,
-        req.seed,
-        req.epoch,
-        req.rank as u64,
-        req.worker as u64,
-        req.num_workers as u64,
-    ]);
+    let stream_key = stream_key(req);
     match shape.counts {
+        Some(counts) if shape.resampled => plan_resampled(counts, shape, host, stream_key),
         None => Ok(StreamPlan {
             pieces: plan_shards(shape, host, req, local_rank)
                 .into_iter()
@@ -180,9 +186,22 @@ pub fn plan_stream(
             stream_key,
             samples: None,
             dropped: 0,
+            pass: 0,
         }),
         Some(counts) => plan_samples(counts, shape, host, req, local_rank, stream_key),
     }
+}
+
+/// Keys a stream's shuffle (and a mix's interleave): (seed, epoch, rank, worker, num_workers).
+pub fn stream_key(req: &StreamRequest) -> u64 {
+    shuffle::key(&[
+        tag::STREAM,
+        req.seed,
+        req.epoch,
+        req.rank as u64,
+        req.worker as u64,
+        req.num_workers as u64,
+    ])
 }
 
 fn plan_shards(shape: Shape, host: Topology, req: &StreamRequest, local_rank: usize) -> Vec<usize> {
@@ -246,13 +265,29 @@ pub fn warm_shards(shape: Shape, host: Topology) -> Vec<usize> {
     }
 }
 
-fn share_order(num_shards: usize, share_seed: u64) -> Vec<usize> {
+/// The shard list permuted by `share_seed`. Every plan of a dataset needs it and it depends
+/// on (shard count, share_seed) only, so the last few are kept: at a million shards it is a
+/// 10 ms shuffle (and 8 MB) that a stream's plan would otherwise repeat.
+fn share_order(num_shards: usize, share_seed: u64) -> std::sync::Arc<[usize]> {
+    type Orders = Vec<((usize, u64), std::sync::Arc<[usize]>)>;
+    static RECENT: std::sync::Mutex<Orders> = std::sync::Mutex::new(Vec::new());
+    const KEEP: usize = 4;
+    let key = (num_shards, share_seed);
+    if let Some((_, order)) = RECENT.lock().unwrap().iter().find(|(k, _)| *k == key) {
+        return order.clone();
+    }
     let mut all: Vec<usize> = (0..num_shards).collect();
     shuffle::shuffle(
         &mut all,
         &mut SplitMix64::new(shuffle::key(&[tag::HOST_SHARE, share_seed])),
     );
-    all
+    let order: std::sync::Arc<[usize]> = all.into();
+    let mut recent = RECENT.lock().unwrap();
+    if recent.len() == KEEP {
+        recent.remove(0);
+    }
+    recent.push((key, order.clone()));
+    order
 }
 
 /// A host's pieces (share order) and the total samples of the dataset.
@@ -262,7 +297,7 @@ fn host_pieces(counts: &[u64], share_seed: u64, host: Topology) -> (Vec<Piece>, 
     let (lo, hi) = (total * h / hosts, total * (h + 1) / hosts);
     let mut pieces = Vec::new();
     let mut at = 0u128;
-    for shard in share_order(counts.len(), share_seed) {
+    for &shard in share_order(counts.len(), share_seed).iter() {
         let (a, b) = (at, at + counts[shard] as u128);
         at = b;
         let (x, y) = (a.max(lo), b.min(hi));
@@ -323,6 +358,59 @@ fn plan_samples(
         stream_key,
         samples: Some(per_stream as u64),
         dropped: dropped as u64,
+        pass: (from / here.max(1)) as u64,
+    })
+}
+
+/// Samples every stream of a sample-level epoch delivers at `hosts` hosts (`plan_samples`'s
+/// `C`); `None` when the host's share is empty and `samples_per_epoch` is set.
+pub fn stream_samples(
+    counts: &[u64],
+    shape: Shape,
+    hosts: u32,
+    req: &StreamRequest,
+) -> Option<u64> {
+    let streams = (req.world_size / hosts) as u128 * req.num_workers as u128;
+    match shape.samples_per_epoch {
+        Some(e) => Some(e),
+        None => {
+            let total: u128 = counts.iter().map(|&n| n as u128).sum();
+            Some((total / hosts as u128 / streams) as u64)
+        }
+    }
+}
+
+/// `samples_per_epoch` samples drawn from the host's pieces with replacement, a piece at a
+/// time (webdataset's `resampled=True`, deterministic): piece `i` of the stream is drawn
+/// uniformly by a generator keyed (seed, epoch, stream), the last one cut short.
+fn plan_resampled(
+    counts: &[u64],
+    shape: Shape,
+    host: Topology,
+    stream_key: u64,
+) -> Result<StreamPlan, PlanError> {
+    let (pieces, _) = host_pieces(counts, shape.share_seed, host);
+    let pieces: Vec<Piece> = pieces.into_iter().filter(|p| len(p) > 0).collect();
+    let want = shape.samples_per_epoch.unwrap_or(0);
+    if pieces.is_empty() && want > 0 {
+        return Err(PlanError::NoSamples);
+    }
+    let mut rng = SplitMix64::new(shuffle::key(&[tag::RESAMPLE, stream_key]));
+    let mut out = Vec::new();
+    let mut left = want;
+    while left > 0 {
+        let mut p = pieces[rng.below(pieces.len() as u64) as usize];
+        let n = len(&p).min(left);
+        p.end = Some(p.start + n);
+        left -= n;
+        out.push(p);
+    }
+    Ok(StreamPlan {
+        pieces: out,
+        stream_key,
+        samples: Some(want),
+        dropped: 0,
+        pass: 0,
     })
 }
 
@@ -392,7 +480,7 @@ fn extract(order: &[Piece], lo: u128, hi: u128, out: &mut Vec<Piece>) {
 }
 
 /// Checks the request against the topology; returns the rank's index among this host's ranks.
-fn validate(host: Topology, req: &StreamRequest) -> Result<usize, PlanError> {
+pub(crate) fn validate(host: Topology, req: &StreamRequest) -> Result<usize, PlanError> {
     if req.world_size == 0 {
         return Err(PlanError::ZeroWorld);
     }
@@ -608,6 +696,53 @@ mod tests {
         };
         vec![piece(0, 1, 5), piece(1, 0, 1)]
     }
+
+    /// Resampled streams: exactly `samples_per_epoch` samples, drawn from the host's own
+    /// share only, deterministic, other draws every epoch and stream; pinned by a golden vector.
+    #[test]
+    fn resampled_streams_draw_from_the_host_share_with_exact_length() {
+        let counts = [5, 9, 3, 12, 7, 1, 8];
+        let shape = |spe| Shape {
+            counts: Some(&counts),
+            samples_per_epoch: Some(spe),
+            resampled: true,
+            ..Shape::shards(counts.len())
+        };
+        let topo = Topology { index: 1, count: 2 };
+        let share: Vec<(usize, u64)> = {
+            let (pieces, _) = host_pieces(&counts, 0, topo);
+            pieces
+                .iter()
+                .flat_map(|p| (p.start..p.end.unwrap()).map(move |i| (p.shard, i)))
+                .collect()
+        };
+        for spe in [1, 7, 100] {
+            for epoch in 0..3 {
+                let p = plan_stream(shape(spe), topo, &req(7, epoch, 3, 4, 1, 2)).unwrap();
+                let got = samples_of(&p);
+                assert_eq!((got.len() as u64, p.samples), (spe, Some(spe)));
+                assert!(got.iter().all(|s| share.contains(s)), "{got:?}");
+                assert_eq!(
+                    p,
+                    plan_stream(shape(spe), topo, &req(7, epoch, 3, 4, 1, 2)).unwrap()
+                );
+                if spe == 100 {
+                    let other = plan_stream(shape(spe), topo, &req(7, epoch + 1, 3, 4, 1, 2));
+                    assert_ne!(p.pieces, other.unwrap().pieces);
+                    let worker = plan_stream(shape(spe), topo, &req(7, epoch, 3, 4, 0, 2));
+                    assert_ne!(p.pieces, worker.unwrap().pieces);
+                }
+            }
+        }
+        let p = plan_stream(shape(20), topo, &req(7, 3, 3, 4, 1, 2)).unwrap();
+        let pinned: Vec<(usize, u64, u64)> = p
+            .pieces
+            .iter()
+            .map(|x| (x.shard, x.start, x.end.unwrap()))
+            .collect();
+        assert_eq!(pinned, GOLDEN_RESAMPLED);
+    }
+    const GOLDEN_RESAMPLED: [(usize, u64, u64); 3] = [(6, 0, 8), (6, 0, 8), (6, 0, 4)];
 
     /// A random dataset shape and topology, from a seed.
     fn random_case(case: u64) -> (Vec<u64>, u32, u32, u32, u64) {

@@ -16,7 +16,7 @@ use crate::shard::Sample;
 
 /// First bytes each side sends: magic, then the protocol version (u16, little-endian).
 pub const MAGIC: &[u8; 6] = b"SHARDD";
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// The oldest client version the daemon still serves (version 1 has no `start`).
 pub const OLDEST_VERSION: u16 = 1;
 pub const PREAMBLE_LEN: usize = 8;
@@ -80,6 +80,10 @@ pub struct Request {
     /// Version 2.
     #[serde(default)]
     pub start: u64,
+    /// An elastic resume: the rest of `epoch` after a checkpoint taken at another topology
+    /// (`elastic.rs`); `start` then counts samples of the new stream. Version 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<crate::elastic::Origin>,
 }
 
 fn one() -> u32 {
@@ -108,6 +112,23 @@ pub struct Start {
     /// of the same data. Version 2.
     #[serde(default)]
     pub fingerprint: String,
+    /// On an elastic resume: the samples the checkpoint left of the epoch, job-wide (of which
+    /// `dropped`, job-wide too, are left out so that every rank gets as many). Version 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remainder: Option<u64>,
+    /// A mix's sources: how many samples of each this stream carries this epoch and which
+    /// pass over the source's host share it starts in. Version 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sources: Option<Vec<SourceStart>>,
+}
+
+/// One source of a mixed stream, in START.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SourceStart {
+    pub dataset: String,
+    pub weight: u64,
+    pub samples: u64,
+    pub pass: u64,
 }
 
 /// END (daemon → client): the stream is complete.

@@ -221,7 +221,8 @@ async fn serve(
         epoch = req.epoch,
         rank = req.rank,
         worker = req.worker,
-        shards = planned.plan.pieces.len(),
+        shards = planned.start.shards,
+        elastic = req.resume_from.is_some(),
         peer_pid = peer.and_then(|p| p.pid()),
         peer_uid = peer.map(|p| p.uid()),
     );
@@ -231,31 +232,50 @@ async fn serve(
 
 /// An accepted request: its plan and the START frame that says so.
 struct Planned {
-    plan: plan::StreamPlan,
-    /// Shards the same stream reads next epoch, for the prefetcher.
-    next_epoch: Vec<usize>,
+    lanes: Vec<PlannedLane>,
+    mix: Option<stream::Interleave>,
+    tag_sources: bool,
     start: Start,
+}
+
+/// What a stream reads of one dataset (of a mix's sources, one of them).
+struct PlannedLane {
+    dataset: String,
+    runs: Vec<stream::Run>,
+    /// Shards the same stream reads of it next epoch, for the prefetcher.
+    next_epoch: Vec<usize>,
 }
 
 /// Checks a request against the config and plans it; a refusal names what is wrong.
 async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Refusal> {
     let config = &daemon.config;
-    let dataset = config.datasets.get(&req.dataset).ok_or_else(|| {
-        let known: Vec<&str> = config.datasets.keys().map(String::as_str).collect();
-        refuse(
+    if !config.datasets.contains_key(&req.dataset) && !config.mixes.contains_key(&req.dataset) {
+        let known: Vec<&str> = config
+            .datasets
+            .keys()
+            .chain(config.mixes.keys())
+            .map(String::as_str)
+            .collect();
+        return Err(refuse(
             "unknown_dataset",
             format!(
                 "unknown dataset {:?}; this daemon serves: {}",
                 req.dataset,
                 known.join(", ")
             ),
-        )
-    })?;
+        ));
+    }
     let stream_req = stream_request(req);
-    let (plan, next_epoch) = plan_off_runtime(daemon, &req.dataset, stream_req, req.op == "stream")
-        .await
-        .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
-    if let Some(samples) = plan.samples
+    let planned = plan_off_runtime(
+        daemon,
+        &req.dataset,
+        stream_req,
+        req.resume_from.clone(),
+        req.op == "stream",
+    )
+    .await
+    .map_err(|e| refuse("bad_topology", format!("dataset {:?}: {e}", req.dataset)))?;
+    if let Some(samples) = planned.samples
         && req.start > samples
     {
         return Err(refuse(
@@ -268,18 +288,26 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
         ));
     }
     let start = Start {
-        dataset: dataset.name.clone(),
-        shards: plan.pieces.len(),
+        dataset: req.dataset.clone(),
+        shards: planned
+            .lanes
+            .iter()
+            .flat_map(|l| &l.runs)
+            .map(|r| r.plan.pieces.len())
+            .sum(),
         host: config.host.index,
         hosts: config.host.count,
-        samples: plan.samples,
+        samples: planned.samples,
         position: req.start,
-        dropped: plan.dropped,
-        fingerprint: fingerprint(dataset, config, &stream_req, plan.samples),
+        dropped: planned.dropped,
+        fingerprint: planned.fingerprint.clone(),
+        remainder: planned.remainder,
+        sources: planned.sources.clone(),
     };
     Ok(Planned {
-        plan,
-        next_epoch,
+        lanes: planned.lanes,
+        mix: planned.mix,
+        tag_sources: planned.tag_sources,
         start,
     })
 }
@@ -324,10 +352,10 @@ async fn run_stream(
     planned: Planned,
     span: &tracing::Span,
 ) -> Outcome {
-    let dataset = &daemon.config.datasets[&req.dataset];
+    let config = &daemon.config;
     let _active = Active::new(&daemon.streams.metrics.streams_active);
     let registered = daemon.board.register(
-        &dataset.name,
+        &req.dataset,
         req.epoch,
         req.rank,
         req.worker,
@@ -336,18 +364,26 @@ async fn run_stream(
     );
     let mut sink = Sink::new();
     let job = stream::Job {
-        dataset,
-        plan: planned.plan,
+        lanes: planned
+            .lanes
+            .into_iter()
+            .map(|l| stream::Lane {
+                dataset: &config.datasets[&l.dataset],
+                runs: l.runs,
+                next_epoch: l.next_epoch,
+            })
+            .collect(),
+        mix: planned.mix,
+        tag_sources: planned.tag_sources,
         start: req.start,
         id: StreamId {
-            dataset: dataset.name.clone(),
+            dataset: req.dataset.clone(),
             seed: req.seed,
             rank: req.rank,
             world_size: req.world_size,
             worker: req.worker,
             num_workers: req.num_workers,
         },
-        next_epoch: planned.next_epoch,
         live: &registered.live,
         shutdown,
     };
@@ -431,36 +467,258 @@ fn report(
     }
 }
 
-/// Plans the stream's epoch and, for the prefetcher, the shards of the same stream's next
-/// epoch (none past the last epoch or when it cannot be planned). Planning walks the host's
-/// share, O(shards), so it runs on the blocking pool: a client asking for a large dataset must
-/// not hold up the runtime threads every other stream is served from.
+/// What planning a request gives.
+struct Plan {
+    lanes: Vec<PlannedLane>,
+    mix: Option<stream::Interleave>,
+    samples: Option<u64>,
+    dropped: u64,
+    remainder: Option<u64>,
+    sources: Option<Vec<protocol::SourceStart>>,
+    fingerprint: String,
+    /// Samples say which dataset they are of (a mix's).
+    tag_sources: bool,
+}
+
+/// Plans the stream's epoch (or, with `resume_from`, the rest of it after a checkpoint at
+/// another topology: runs of the old streams; for a mix, each source's stream) and, for the
+/// prefetcher, the shards of the same stream's next epoch (none past the last epoch or when
+/// it cannot be planned). Planning walks the host's share, O(shards), so it runs on the
+/// blocking pool: a client asking for a large dataset must not hold up the runtime threads
+/// every other stream is served from.
 async fn plan_off_runtime(
     daemon: &Arc<Daemon>,
     dataset: &str,
     req: StreamRequest,
+    resume_from: Option<crate::elastic::Origin>,
     with_next: bool,
-) -> Result<(plan::StreamPlan, Vec<usize>), plan::PlanError> {
+) -> Result<Plan, plan::PlanError> {
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
     let work = move || {
-        let (config, d) = (&daemon.config, &daemon.config.datasets[&dataset]);
-        let plan = plan::plan_stream(d.shape(), config.host, &req)?;
-        let next = req
-            .epoch
-            .checked_add(1)
-            .filter(|_| with_next)
-            .and_then(|epoch| {
-                let next = StreamRequest { epoch, ..req };
-                plan::plan_stream(d.shape(), config.host, &next).ok()
-            })
-            .map(|p| p.shards().collect())
-            .unwrap_or_default();
-        Ok((plan, next))
+        let config = &daemon.config;
+        match config.mixes.get(&dataset) {
+            Some(mix) => plan_mix(config, mix, req, resume_from.as_ref(), with_next),
+            None => plan_dataset(config, &dataset, req, resume_from.as_ref(), with_next),
+        }
     };
     tokio::task::spawn_blocking(work)
         .await
         .expect("planning does not panic")
+}
+
+fn plan_dataset(
+    config: &Config,
+    name: &str,
+    req: StreamRequest,
+    resume_from: Option<&crate::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, plan::PlanError> {
+    let d = &config.datasets[name];
+    let shape = d.shape();
+    let (runs, samples, dropped, remainder) = match resume_from {
+        None => {
+            let plan = plan::plan_stream(shape, config.host, &req)?;
+            let (samples, dropped) = (plan.samples, plan.dropped);
+            (vec![stream::Run::whole(plan)], samples, dropped, None)
+        }
+        Some(origin) => {
+            let e = crate::elastic::plan(shape, config.host, &req, origin)?;
+            let runs = e
+                .segments
+                .iter()
+                .map(|s| {
+                    Ok(stream::Run {
+                        plan: source_plan(d, s.host, &s.req, s.source)?,
+                        from: s.from,
+                        to: Some(s.to),
+                    })
+                })
+                .collect::<Result<_, plan::PlanError>>()?;
+            (runs, Some(e.samples), e.dropped, Some(e.remainder))
+        }
+    };
+    // An elastic epoch's workers may differ by a sample; its origin fixes them all.
+    let fingerprint = fingerprint(
+        d,
+        config,
+        &req,
+        samples.filter(|_| resume_from.is_none()),
+        resume_from,
+    );
+    Ok(Plan {
+        lanes: vec![PlannedLane {
+            dataset: name.to_owned(),
+            runs,
+            next_epoch: next_epoch(config, shape, req, with_next),
+        }],
+        mix: None,
+        samples,
+        dropped,
+        remainder,
+        sources: None,
+        fingerprint,
+        tag_sources: false,
+    })
+}
+
+/// A mix's stream: each source's own stream of its quota (`samples_per_epoch` = the quota,
+/// keyed apart), interleaved by the mix's order keyed (seed, epoch, stream). After an elastic
+/// resume: each source's rest (`elastic::split_mix`), interleaved by what is left of each.
+fn plan_mix(
+    config: &Config,
+    m: &crate::config::MixDataset,
+    req: StreamRequest,
+    resume_from: Option<&crate::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, plan::PlanError> {
+    let weights: Vec<u64> = m.sources.iter().map(|s| s.1).collect();
+    let e = m.samples_per_epoch;
+    let mix = crate::mix::Mix::new(&weights, e).expect("the config checked the mix");
+    let key = plan::stream_key(&req);
+    let datasets: Vec<&crate::config::Dataset> = m
+        .sources
+        .iter()
+        .map(|(name, _)| &config.datasets[name])
+        .collect();
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    for (d, (&quota, weight)) in datasets.iter().zip(mix.quotas().iter().zip(&weights)) {
+        h.update(fingerprint(d, config, &req, Some(quota), None));
+        h.update(weight.to_le_bytes());
+    }
+    let (lanes, interleave, lens, dropped, remainder) = match resume_from {
+        None => {
+            let lanes = (0..datasets.len())
+                .map(|i| {
+                    let source = crate::elastic::SourceOf {
+                        index: i as u32,
+                        quota: mix.quotas()[i],
+                    };
+                    let plan = source_plan(datasets[i], config.host, &req, Some(source))?;
+                    Ok(vec![stream::Run::whole(plan)])
+                })
+                .collect::<Result<Vec<_>, plan::PlanError>>()?;
+            let lens = mix.quotas().to_vec();
+            let live = (0..datasets.len()).collect();
+            (lanes, Some((mix.clone(), live)), lens, 0, None)
+        }
+        Some(origin) => {
+            h.update(serde_json::to_vec(origin).expect("an origin serialises"));
+            let splits = crate::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
+            let local = plan::validate(config.host, &req)?;
+            let stream = local * req.num_workers as usize + req.worker as usize;
+            let lanes = splits
+                .iter()
+                .zip(&datasets)
+                .map(|(split, d)| {
+                    split.hosts[config.host.index as usize][stream]
+                        .iter()
+                        .map(|seg| {
+                            Ok(stream::Run {
+                                plan: source_plan(d, seg.host, &seg.req, seg.source)?,
+                                from: seg.from,
+                                to: Some(seg.to),
+                            })
+                        })
+                        .collect::<Result<Vec<_>, plan::PlanError>>()
+                })
+                .collect::<Result<Vec<_>, plan::PlanError>>()?;
+            let lens: Vec<u64> = splits
+                .iter()
+                .map(|s| s.lengths[req.worker as usize])
+                .collect();
+            let dropped = splits.iter().map(|s| s.dropped).sum();
+            let remainder = splits.iter().map(|s| s.remainder).sum();
+            (
+                lanes,
+                crate::elastic::interleave(&lens),
+                lens,
+                dropped,
+                Some(remainder),
+            )
+        }
+    };
+    // The lanes an interleave ranges over, in its order; one lane when only one source is
+    // left (or none: an empty stream).
+    let order: Vec<usize> = match &interleave {
+        Some((_, live)) => live.clone(),
+        None => vec![lens.iter().position(|&n| n > 0).unwrap_or(0)],
+    };
+    let mut sources = Vec::new();
+    let mut planned = Vec::new();
+    for (i, runs) in lanes.into_iter().enumerate() {
+        let d = datasets[i];
+        sources.push(protocol::SourceStart {
+            dataset: d.name.clone(),
+            weight: weights[i],
+            samples: lens[i],
+            pass: runs.first().map_or(0, |r| r.plan.pass),
+        });
+        if order.contains(&i) {
+            let shape = plan::Shape {
+                samples_per_epoch: Some(mix.quotas()[i]),
+                ..d.shape()
+            };
+            planned.push(PlannedLane {
+                dataset: d.name.clone(),
+                runs,
+                next_epoch: next_epoch(config, shape, req, with_next),
+            });
+        }
+    }
+    Ok(Plan {
+        lanes: planned,
+        mix: interleave.map(|(mix, _)| stream::Interleave { mix, key }),
+        samples: Some(lens.iter().sum()),
+        dropped,
+        remainder,
+        sources: Some(sources),
+        fingerprint: hex::encode(&h.finalize()[..8]),
+        tag_sources: true,
+    })
+}
+
+/// A base stream's plan of dataset `d`, or of a mix's source (its quota as
+/// `samples_per_epoch`, its shuffle keyed apart from the other sources').
+fn source_plan(
+    d: &crate::config::Dataset,
+    host: plan::Topology,
+    req: &StreamRequest,
+    source: Option<crate::elastic::SourceOf>,
+) -> Result<plan::StreamPlan, plan::PlanError> {
+    let mut shape = d.shape();
+    if let Some(s) = source {
+        shape.samples_per_epoch = Some(s.quota);
+    }
+    let mut plan = plan::plan_stream(shape, host, req)?;
+    if let Some(s) = source {
+        plan.stream_key = crate::shuffle::key(&[
+            crate::shuffle::tag::MIX_SOURCE,
+            plan.stream_key,
+            s.index as u64,
+        ]);
+    }
+    Ok(plan)
+}
+
+/// The shards the same stream reads next epoch (none past the last epoch, or when it cannot
+/// be planned, or for a plan request).
+fn next_epoch(
+    config: &Config,
+    shape: plan::Shape,
+    req: StreamRequest,
+    with_next: bool,
+) -> Vec<usize> {
+    req.epoch
+        .checked_add(1)
+        .filter(|_| with_next)
+        .and_then(|epoch| {
+            let next = StreamRequest { epoch, ..req };
+            plan::plan_stream(shape, config.host, &next).ok()
+        })
+        .map(|p| p.shards().collect())
+        .unwrap_or_default()
 }
 
 /// Reads the client's preamble and REQUEST, answering with ours in between.
@@ -515,6 +773,12 @@ async fn handshake(
             format!("op \"plan\" needs protocol 3; the client said it speaks {version}"),
         ));
     }
+    if req.resume_from.is_some() && version < 4 {
+        return Err(refuse(
+            "bad_request",
+            format!("resume_from needs protocol 4; the client said it speaks {version}"),
+        ));
+    }
     if req.op != "stream" && req.op != "plan" {
         return Err(refuse(
             "bad_request",
@@ -536,6 +800,7 @@ fn fingerprint(
     config: &Config,
     req: &StreamRequest,
     samples: Option<u64>,
+    resume_from: Option<&crate::elastic::Origin>,
 ) -> String {
     use md5::Digest;
     let mut h = md5::Md5::new();
@@ -552,6 +817,13 @@ fn fingerprint(
         samples.unwrap_or(u64::MAX),
     ] {
         h.update(word.to_le_bytes());
+    }
+    if dataset.resampled {
+        h.update(b"resampled");
+    }
+    if let Some(origin) = resume_from {
+        // An elastic resume's plan is the old checkpoint's too.
+        h.update(serde_json::to_vec(origin).expect("an origin serialises"));
     }
     hex::encode(&h.finalize()[..8])
 }

@@ -68,6 +68,9 @@ pub mod tag {
     pub const WINDOW_OFFSET: u64 = 4;
     pub const WINDOW: u64 = 5;
     pub const PASS_ORDER: u64 = 6;
+    pub const MIX: u64 = 7;
+    pub const RESAMPLE: u64 = 8;
+    pub const MIX_SOURCE: u64 = 9;
 }
 
 /// Cuts a stream into windows and permutes each one, as described at the top of this module.

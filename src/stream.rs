@@ -25,7 +25,7 @@ use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::cache::{Cache, FetchError};
+use crate::cache::{Cache, FetchError, ShardBytes};
 use crate::config::Dataset;
 use crate::metrics::{Active, Metrics};
 use crate::plan::{Piece, StreamPlan};
@@ -63,20 +63,71 @@ pub enum StreamError {
     PastEnd { start: u64, samples: u64 },
 }
 
+/// A run of a base stream's shuffled output, positions `from..to` (`to: None`: to its end).
+/// A stream is one run of its own plan, or after an elastic resume, runs of the streams of
+/// the topology it was checkpointed at (`elastic.rs`), read one after another.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub plan: StreamPlan,
+    pub from: u64,
+    pub to: Option<u64>,
+}
+
+impl Run {
+    /// A whole stream.
+    pub fn whole(plan: StreamPlan) -> Run {
+        Run {
+            to: plan.samples,
+            plan,
+            from: 0,
+        }
+    }
+
+    fn len(&self) -> Option<u64> {
+        self.to.map(|to| to - self.from)
+    }
+}
+
+/// What a stream reads of one dataset: runs of its streams, in order.
+pub struct Lane<'a> {
+    pub dataset: &'a Dataset,
+    pub runs: Vec<Run>,
+    /// The shards the same stream reads of it next epoch (dataset indices), for the
+    /// prefetcher.
+    pub next_epoch: Vec<usize>,
+}
+
+/// The pieces reading `run` takes: from the shuffle window that holds its first sample to the
+/// one that holds its last (what `shardd plan --from` counts a resume fetching).
+pub fn run_pieces(run: &Run, window: usize) -> Vec<Piece> {
+    resume(run.plan.clone(), window, run.from, run.to).0
+}
+
 /// One stream to serve.
 pub struct Job<'a> {
-    pub dataset: &'a Dataset,
-    pub plan: StreamPlan,
+    /// One lane, or a mix's sources (interleaved by `mix`).
+    pub lanes: Vec<Lane<'a>>,
+    pub mix: Option<Interleave>,
+    /// Samples get `__source__` (a mix's, even when one source is left to read).
+    pub tag_sources: bool,
     /// Stream position to start from (samples an earlier connection delivered).
     pub start: u64,
-    /// Who the stream is, for the prefetcher's schedules.
+    /// Who the stream is, for the prefetcher's schedules (each lane under its dataset).
     pub id: StreamId,
-    /// The shards the same stream reads next epoch (dataset indices), for the prefetcher.
-    pub next_epoch: Vec<usize>,
     /// Its entry on the status board.
     pub live: &'a Live,
     /// Stops the stream at its next frame boundary.
     pub shutdown: &'a CancellationToken,
+}
+
+/// The field naming a mixed stream's source, in every sample of a mix.
+static SOURCE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("__source__"));
+
+/// Which lane each position of a mixed stream takes its sample from.
+pub struct Interleave {
+    pub mix: crate::mix::Mix,
+    /// Keys the order: (seed, epoch, stream).
+    pub key: u64,
 }
 
 /// What every stream shares.
@@ -106,7 +157,7 @@ pub async fn pump(
     let opened = Instant::now();
     // Sample counts of the pieces read so far, where the plan has none (no manifest): a
     // stream resumed after a park skips them unread, as with a manifest.
-    let mut counts = vec![None; job.plan.pieces.len()];
+    let mut counts = vec![None; job.lanes[0].runs.first().map_or(0, |r| r.plan.pieces.len())];
     while let Leg::Parked = serve_from(ctx, &job, opened, sock, sink, &mut end, &mut counts).await?
     {
         park(ctx, &job, sock).await?;
@@ -134,7 +185,10 @@ enum Leg {
 
 /// Serves the stream from where it is (`job.start` + the samples of whole frames sent, in
 /// `end`) until it is complete or its client pauses. Everything it holds (shards, samples,
-/// the schedule) is dropped when it returns.
+/// the schedules) is dropped when it returns.
+///
+/// Frames are cut from the stream's sample sequence alone (a frame's worth of bytes or
+/// samples from its position), so a frame cut by a park is encoded the same again.
 async fn serve_from(
     ctx: &StreamContext,
     job: &Job<'_>,
@@ -144,63 +198,238 @@ async fn serve_from(
     end: &mut End,
     counts: &mut [Option<u64>],
 ) -> Result<Leg, StreamError> {
-    let dataset = job.dataset;
     let position = job.start + end.samples;
-    let mut plan = job.plan.clone();
+    let (positions, mut cursor) = match &job.mix {
+        None => (vec![position], None),
+        Some(m) => (
+            m.mix.counts_at(m.key, position),
+            Some(m.mix.cursor(m.key, position)),
+        ),
+    };
+    let mut counts = Some(counts);
+    let mut lanes: Vec<LaneReader> = job
+        .lanes
+        .iter()
+        .zip(positions)
+        .map(|(lane, at)| {
+            let counts = if job.lanes.len() == 1 {
+                counts.take()
+            } else {
+                None
+            };
+            LaneReader::new(ctx, job, lane, at, counts.unwrap_or(&mut []))
+        })
+        .collect();
+    let mut out: VecDeque<Sample> = VecDeque::new();
+    // The lane of each sample in `out`, for the per-dataset counters.
+    let mut out_lanes: VecDeque<usize> = VecDeque::new();
+    let mut out_bytes = 0usize;
+    // A mix's next source, drawn but not yet taken.
+    let mut pending: Option<usize> = None;
+    loop {
+        while out.len() < protocol::BATCH_MAX_SAMPLES && out_bytes < protocol::BATCH_TARGET_BYTES {
+            let i = match (cursor.as_mut(), pending) {
+                (None, _) => 0,
+                (Some(_), Some(i)) => i,
+                (Some(c), None) => match c.next() {
+                    Some(i) => i,
+                    None => break,
+                },
+            };
+            // A frame ends where the next sample's window is not cut yet: the client gets
+            // what is ready without waiting for more shards (and where a frame ends is a
+            // function of the position alone, so a park re-encodes it the same).
+            if !out.is_empty() && !lanes[i].has_window() {
+                pending = Some(i);
+                break;
+            }
+            pending = None;
+            match lanes[i].next_sample(job).await? {
+                Some(sample) => {
+                    out_bytes += sample.payload_len();
+                    out.push_back(sample);
+                    out_lanes.push_back(i);
+                }
+                None if cursor.is_none() => break,
+                None => {
+                    return Err(StreamError::Internal(format!(
+                        "mix source {} ended before its quota",
+                        job.lanes[i].dataset.name
+                    )));
+                }
+            }
+        }
+        if out.is_empty() {
+            return Ok(Leg::Done);
+        }
+        if job.shutdown.is_cancelled() {
+            return Err(StreamError::Shutdown);
+        }
+        let (parts, sent) = protocol::encode_batch(&mut out).map_err(StreamError::Encode)?;
+        let sending = Instant::now();
+        job.live.waiting(Waiting::Client);
+        let send = sink.send(sock, &parts, ctx.stall_timeout);
+        let (sent_result, failed) = loading_ahead(send, &mut lanes).await;
+        // Time in the send is time the client had data waiting (the socket was full).
+        job.live.waiting(Waiting::Nothing);
+        let lane0 = &lanes[0].series;
+        lane0.client_wait.inc_by(sending.elapsed().as_secs_f64());
+        match sent_result {
+            Ok(()) => {}
+            // A load that failed meanwhile fails again after the resume, if it still does.
+            Err(SendError::Stalled(_)) => return Ok(Leg::Parked),
+            Err(e) => return Err(send_failed(e)),
+        }
+        if end.samples == 0 {
+            lane0.first_sample.observe(opened.elapsed().as_secs_f64());
+        }
+        let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
+        out_bytes -= bytes as usize;
+        end.samples += sent.len() as u64;
+        end.bytes += bytes;
+        for (sample, i) in sent.iter().zip(out_lanes.drain(..sent.len())) {
+            // Per dataset: a mix's sources each count their own.
+            lanes[i].series.samples_sent.inc();
+            lanes[i]
+                .series
+                .bytes_sent
+                .inc_by(sample.payload_len() as u64);
+        }
+        job.live.sent(sent.len() as u64, bytes);
+        if let Some(e) = failed {
+            return Err(e);
+        }
+    }
+}
+
+/// One lane being read: the run that holds its position, then the runs after it, each
+/// through its own shard reader and window order.
+struct LaneReader<'a> {
+    ctx: &'a StreamContext,
+    lane: &'a Lane<'a>,
+    /// The run being read, and its reader and order.
+    run: usize,
+    at: u64,
+    reader: ShardReader<'a>,
+    order: SampleOrder,
+    window: VecDeque<Sample>,
+    series: Series,
+}
+
+impl<'a> LaneReader<'a> {
+    /// Starts `lane` at its position `at` (samples of the lane before it).
+    fn new(
+        ctx: &'a StreamContext,
+        job: &Job<'a>,
+        lane: &'a Lane<'a>,
+        mut at: u64,
+        counts: &'a mut [Option<u64>],
+    ) -> LaneReader<'a> {
+        let mut run = 0;
+        while let Some(len) = lane.runs.get(run).and_then(Run::len)
+            && at >= len
+            && run + 1 < lane.runs.len()
+        {
+            at -= len;
+            run += 1;
+        }
+        let from = lane.runs.get(run).map_or(0, |r| r.from) + at;
+        let (reader, order) = open_run(ctx, job, lane, run, from, counts);
+        LaneReader {
+            ctx,
+            lane,
+            run,
+            at: from,
+            reader,
+            order,
+            window: VecDeque::new(),
+            series: Series::new(&ctx.metrics, &lane.dataset.name),
+        }
+    }
+
+    /// Whether a sample is ready without cutting another window.
+    fn has_window(&self) -> bool {
+        !self.window.is_empty()
+    }
+
+    /// The lane's next sample, waiting for shards; `None` after its last run.
+    async fn next_sample(&mut self, job: &Job<'a>) -> Result<Option<Sample>, StreamError> {
+        loop {
+            if let Some(mut sample) = self.window.pop_front() {
+                if job.tag_sources {
+                    // A mix's samples say which source they are (webdataset-style metadata).
+                    let name = Bytes::copy_from_slice(self.lane.dataset.name.as_bytes());
+                    sample.fields.push((SOURCE.clone(), ShardBytes::heap(name)));
+                }
+                return Ok(Some(sample));
+            }
+            fill(&mut self.order, &mut self.reader, job, &self.series).await?;
+            if let Some(window) = self.order.next_window() {
+                self.window = window;
+                continue;
+            }
+            let Some(run) = self.lane.runs.get(self.run) else {
+                return Ok(None);
+            };
+            if run.to.is_none() {
+                self.order.check_reached(self.at)?;
+            }
+            self.run += 1;
+            let Some(next) = self.lane.runs.get(self.run) else {
+                return Ok(None);
+            };
+            (self.reader, self.order) =
+                open_run(self.ctx, job, self.lane, self.run, next.from, &mut []);
+            self.at = next.from;
+        }
+    }
+}
+
+/// A reader and an order for run `k` of `lane` from its base position `from`, with the
+/// prefetch schedule of everything the lane reads from there.
+fn open_run<'a>(
+    ctx: &'a StreamContext,
+    job: &Job<'a>,
+    lane: &'a Lane<'a>,
+    k: usize,
+    from: u64,
+    counts: &'a mut [Option<u64>],
+) -> (ShardReader<'a>, SampleOrder) {
+    let window = lane.dataset.shuffle_buffer;
+    let Some(run) = lane.runs.get(k) else {
+        // A lane with no run (an empty stream): nothing to read.
+        let order = resume(
+            crate::plan::StreamPlan {
+                pieces: Vec::new(),
+                stream_key: 0,
+                samples: Some(0),
+                dropped: 0,
+                pass: 0,
+            },
+            window,
+            0,
+            None,
+        )
+        .1;
+        let schedule = open_schedule(ctx, job, lane, std::iter::empty());
+        return (
+            ShardReader::new(ctx, lane.dataset, Vec::new(), 0, schedule, counts),
+            order,
+        );
+    };
+    let mut plan = run.plan.clone();
     for (piece, count) in plan.pieces.iter_mut().zip(counts.iter()) {
         piece.end = piece.end.or(*count);
     }
     let total = plan.pieces.len();
-    let (pieces, mut order) = resume(plan, dataset.shuffle_buffer, position);
-    let mut reader = ShardReader {
-        cache: &ctx.cache,
-        dataset,
-        schedule: open_schedule(ctx, job, &pieces),
-        returned: total - pieces.len(),
-        queue: pieces.into(),
-        current: None,
-        next: None,
-        counts,
-    };
-    let series = Series::new(&ctx.metrics, &dataset.name);
-    loop {
-        fill(&mut order, &mut reader, job, &series).await?;
-        let Some(mut window) = order.next_window() else {
-            order.check_reached(job.start)?;
-            return Ok(Leg::Done);
-        };
-        while !window.is_empty() {
-            if job.shutdown.is_cancelled() {
-                return Err(StreamError::Shutdown);
-            }
-            let (parts, sent) = protocol::encode_batch(&mut window).map_err(StreamError::Encode)?;
-            let sending = Instant::now();
-            job.live.waiting(Waiting::Client);
-            let send = sink.send(sock, &parts, ctx.stall_timeout);
-            let (sent_result, failed) = loading_ahead(send, &mut order, &mut reader).await;
-            // Time in the send is time the client had data waiting (the socket was full).
-            job.live.waiting(Waiting::Nothing);
-            series.client_wait.inc_by(sending.elapsed().as_secs_f64());
-            match sent_result {
-                Ok(()) => {}
-                // A load that failed meanwhile fails again after the resume, if it still does.
-                Err(SendError::Stalled(_)) => return Ok(Leg::Parked),
-                Err(e) => return Err(send_failed(e)),
-            }
-            if end.samples == 0 {
-                series.first_sample.observe(opened.elapsed().as_secs_f64());
-            }
-            let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
-            end.samples += sent.len() as u64;
-            end.bytes += bytes;
-            series.samples_sent.inc_by(sent.len() as u64);
-            series.bytes_sent.inc_by(bytes);
-            job.live.sent(sent.len() as u64, bytes);
-            if let Some(e) = failed {
-                return Err(e);
-            }
-        }
-    }
+    let (pieces, order) = resume(plan, window, from, run.to);
+    let upcoming = lane.runs[k + 1..]
+        .iter()
+        .flat_map(|r| resume(r.plan.clone(), window, r.from, r.to).0);
+    let schedule = open_schedule(ctx, job, lane, pieces.iter().copied().chain(upcoming));
+    let returned = total - pieces.len();
+    let reader = ShardReader::new(ctx, lane.dataset, pieces, returned, schedule, counts);
+    (reader, order)
 }
 
 /// A stream's per-dataset series, looked up once.
@@ -246,23 +475,24 @@ async fn fill(
     Ok(())
 }
 
-/// Runs `send` (one frame) while loading the next window's shards, so that a window boundary
+/// Runs `send` (one frame) while loading the lanes' next windows, so that a window boundary
 /// costs no wait (only the reading is cancelled if the send ends first, and
 /// `ShardReader::next` is cancel-safe). A load that fails lets the frame finish first: the
 /// client can only be told why (an ERROR frame) at a frame boundary.
 async fn loading_ahead(
     send: impl Future<Output = Result<(), SendError>>,
-    order: &mut SampleOrder,
-    reader: &mut ShardReader<'_>,
+    lanes: &mut [LaneReader<'_>],
 ) -> (Result<(), SendError>, Option<StreamError>) {
     let mut send = std::pin::pin!(send);
-    while order.wants_more() {
-        tokio::select! {
-            r = &mut send => return (r, None),
-            shard = reader.next() => match shard {
-                Ok(shard) => order.push(shard),
-                Err(e) => return (send.await, Some(e)),
-            },
+    for lane in lanes.iter_mut() {
+        while lane.order.wants_more() {
+            tokio::select! {
+                r = &mut send => return (r, None),
+                shard = lane.reader.next() => match shard {
+                    Ok(shard) => lane.order.push(shard),
+                    Err(e) => return (send.await, Some(e)),
+                },
+            }
         }
     }
     (send.await, None)
@@ -279,16 +509,23 @@ fn send_failed(e: SendError) -> StreamError {
 /// Registers the shards the stream is about to read (then its next epoch's) with the
 /// prefetcher. A resumed stream registers only what it still reads, so prefetch and
 /// eviction do not count on shards it has passed.
-fn open_schedule(ctx: &StreamContext, job: &Job<'_>, pieces: &[Piece]) -> ScheduleHandle {
-    let shards = &job.dataset.shards;
+fn open_schedule(
+    ctx: &StreamContext,
+    job: &Job<'_>,
+    lane: &Lane<'_>,
+    pieces: impl Iterator<Item = Piece>,
+) -> ScheduleHandle {
+    let shards = &lane.dataset.shards;
     let upcoming = pieces
-        .iter()
         .map(|p| p.shard)
-        .chain(job.next_epoch.iter().copied());
-    ctx.plans.open(
-        job.id.clone(),
-        upcoming.map(|i| shards[i].clone()).collect(),
-    )
+        .chain(lane.next_epoch.iter().copied());
+    // A mix's sources are scheduled apart, under the mix's name and theirs.
+    let mut id = job.id.clone();
+    if lane.dataset.name != id.dataset {
+        id.dataset = format!("{}/{}", id.dataset, lane.dataset.name);
+    }
+    ctx.plans
+        .open(id, upcoming.map(|i| shards[i].clone()).collect())
 }
 
 /// Waits, holding nothing, until the client can take data again (or the daemon stops).
@@ -309,7 +546,7 @@ async fn park(ctx: &StreamContext, job: &Job<'_>, sock: &UnixStream) -> Result<(
     // Parked time is time the stream waited for its client, like a send's.
     ctx.metrics
         .client_wait_seconds_total
-        .with_label_values(&[job.dataset.name.as_str()])
+        .with_label_values(&[job.lanes[0].dataset.name.as_str()])
         .inc_by(since.elapsed().as_secs_f64());
     tracing::info!(parked = ?since.elapsed(), "the client reads again: stream resumed");
     Ok(())
@@ -318,11 +555,23 @@ async fn park(ctx: &StreamContext, job: &Job<'_>, sock: &UnixStream) -> Result<(
 /// Sets a stream up to start at `start`: the pieces to read from the start of the shuffle
 /// window that holds it (pieces whose sample counts are known are cut off unread; from the
 /// first one whose count is not, they are read and their samples dropped), and the sample
-/// order that skips what comes before `start`.
-fn resume(plan: StreamPlan, window: usize, start: u64) -> (Vec<Piece>, SampleOrder) {
+/// order that skips what comes before `start`. With `to`, it stops there, and no piece past
+/// the window that holds `to`'s last sample is read.
+fn resume(
+    plan: StreamPlan,
+    window: usize,
+    start: u64,
+    to: Option<u64>,
+) -> (Vec<Piece>, SampleOrder) {
     let mut shuffle = WindowShuffle::new(plan.stream_key, window);
+    let mut pieces = plan.pieces;
+    if let Some(to) = to.filter(|&to| to > start) {
+        let mut last = shuffle.clone();
+        let last_start = last.seek(to - 1);
+        pieces = keep_first(pieces, last_start + last.next_len() as u64);
+    }
     let window_start = shuffle.seek(start);
-    let (pieces, discard) = skip_counted(plan.pieces, window_start);
+    let (pieces, discard) = skip_counted(pieces, window_start);
     let order = SampleOrder {
         shuffle,
         loaded: VecDeque::new(),
@@ -330,8 +579,29 @@ fn resume(plan: StreamPlan, window: usize, start: u64) -> (Vec<Piece>, SampleOrd
         discard,
         skip: (start - window_start) as usize,
         counted: window_start - discard,
+        left: to.map(|to| to.saturating_sub(start)),
     };
     (pieces, order)
+}
+
+/// The first `n` samples of `pieces`, as far as their lengths are known (all of them when
+/// `to` is: runs with an end are manifest plans).
+fn keep_first(pieces: Vec<Piece>, mut n: u64) -> Vec<Piece> {
+    let mut out = Vec::with_capacity(pieces.len());
+    for mut p in pieces {
+        if n == 0 {
+            break;
+        }
+        if let Some(end) = p.end {
+            let len = end - p.start;
+            if len > n {
+                p.end = Some(p.start + n);
+            }
+            n -= len.min(n);
+        }
+        out.push(p);
+    }
+    out
 }
 
 /// The stream's sample order, with no I/O: shards' samples go in, in plan order, and come out
@@ -348,12 +618,16 @@ struct SampleOrder {
     /// Samples of the stream before the ones the reader brings (cut off unread), plus the
     /// ones it brought: the stream's length once the reader is done.
     counted: u64,
+    /// Samples still to give out, when the run ends before its stream does.
+    left: Option<u64>,
 }
 
 impl SampleOrder {
     /// Whether another shard's samples are needed before the next window can be cut.
     fn wants_more(&self) -> bool {
-        !self.done && (self.discard > 0 || self.loaded.len() < self.shuffle.next_len())
+        !self.done
+            && self.left != Some(0)
+            && (self.discard > 0 || self.loaded.len() < self.shuffle.next_len())
     }
 
     /// The next shard's samples, or `None` when the plan has no more shards.
@@ -383,7 +657,7 @@ impl SampleOrder {
 
     /// The next window, permuted; `None` at the end of the stream.
     fn next_window(&mut self) -> Option<VecDeque<Sample>> {
-        if self.loaded.is_empty() {
+        if self.loaded.is_empty() || self.left == Some(0) {
             return None;
         }
         let take = self.shuffle.next_len().min(self.loaded.len());
@@ -391,6 +665,10 @@ impl SampleOrder {
         self.shuffle.permute(&mut window);
         let mut window: VecDeque<Sample> = window.into();
         window.drain(..std::mem::take(&mut self.skip).min(window.len()));
+        if let Some(left) = self.left.as_mut() {
+            window.truncate((*left).min(window.len() as u64) as usize);
+            *left -= window.len() as u64;
+        }
         Some(window)
     }
 }
@@ -420,7 +698,27 @@ struct ShardReader<'a> {
 /// A piece's samples, and the shard's sample count when the plan did not know it.
 type ShardTask = AbortOnDropHandle<Result<(Vec<Sample>, Option<u64>), StreamError>>;
 
-impl ShardReader<'_> {
+impl<'a> ShardReader<'a> {
+    fn new(
+        ctx: &'a StreamContext,
+        dataset: &'a Dataset,
+        pieces: Vec<Piece>,
+        returned: usize,
+        schedule: ScheduleHandle,
+        counts: &'a mut [Option<u64>],
+    ) -> ShardReader<'a> {
+        ShardReader {
+            cache: &ctx.cache,
+            dataset,
+            queue: pieces.into(),
+            current: None,
+            next: None,
+            schedule,
+            returned,
+            counts,
+        }
+    }
+
     /// The next shard's samples, or `None` after the last shard. Cancel-safe: a call dropped
     /// while waiting leaves the shard to the next call.
     async fn next(&mut self) -> Result<Option<Vec<Sample>>, StreamError> {
@@ -503,7 +801,18 @@ mod tests {
     /// What a stream delivers from `start`, as the pump orders it, with the reader replaced
     /// by samples named after their (shard, index).
     fn deliver(plan: &StreamPlan, counts: &[u64], window: usize, start: u64) -> Vec<String> {
-        let (pieces, mut order) = resume(plan.clone(), window, start);
+        deliver_run(plan, counts, window, start, None)
+    }
+
+    /// The same for a run that stops at `to`.
+    fn deliver_run(
+        plan: &StreamPlan,
+        counts: &[u64],
+        window: usize,
+        start: u64,
+        to: Option<u64>,
+    ) -> Vec<String> {
+        let (pieces, mut order) = resume(plan.clone(), window, start, to);
         let url: Arc<str> = Arc::from("u");
         let mut queue: VecDeque<Piece> = pieces.into();
         let mut out = Vec::new();
@@ -559,6 +868,16 @@ mod tests {
                 let full = deliver(&plan, &counts, window, 0);
                 if let Some(n) = plan.samples {
                     assert_eq!(full.len() as u64, n, "case {case}");
+                    // A run (an elastic resume's segment) is exactly that part of the stream.
+                    for _ in 0..10 {
+                        let to = rng.below(n + 1);
+                        let from = rng.below(to + 1);
+                        assert_eq!(
+                            deliver_run(&plan, &counts, window, from, Some(to)),
+                            full[from as usize..to as usize],
+                            "case {case} run {from}..{to}"
+                        );
+                    }
                 }
                 for start in 0..=full.len() {
                     assert_eq!(
@@ -581,7 +900,7 @@ mod tests {
                             "case {case} exact {exact} known {known} start {start}"
                         );
                         // Every count known: nothing before the window is read again.
-                        let (_, order) = resume(learnt.clone(), window, start as u64);
+                        let (_, order) = resume(learnt.clone(), window, start as u64, None);
                         if known == plan.pieces.len() {
                             assert_eq!(order.discard, 0, "case {case} start {start}");
                         }

@@ -1,4 +1,4 @@
-"""The client side of proto/PROTOCOL.md (version 3).
+"""The client side of proto/PROTOCOL.md (version 4).
 
 Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
 (keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
@@ -25,7 +25,7 @@ import time
 import weakref
 
 MAGIC = b"SHARDD"
-VERSION = 3
+VERSION = 4
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 # The protocol version each feature a request can use first appeared in. A request is sent
 # with the highest version among the features it uses (a daemon serves every version up to
@@ -34,6 +34,7 @@ PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 FEATURES = {
     "start": (2, "the request field start (stream positions, exact resume)"),
     "plan": (3, 'op "plan" (a stream\'s length and plan fingerprint without opening it)'),
+    "resume_from": (4, "the request field resume_from (an elastic resume)"),
 }
 
 KIND_REQUEST = 1
@@ -189,27 +190,42 @@ class Client:
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
 
-    def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0):
+    def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0,
+               resume_from=None):
         """Opens the stream of one (rank, worker) for one epoch and returns it as an iterator
         of sample dicts. Raises ``DaemonError`` at once if the daemon refuses the request.
 
         ``start`` resumes: the stream skips the first ``start`` samples it would have
         delivered and yields exactly the rest, in the same order (``Stream.position`` counts
-        from it)."""
+        from it).
+
+        ``resume_from`` (protocol 4, datasets with a manifest) is an *elastic* resume: the rest
+        of ``epoch`` after a checkpoint taken at another topology, as a dict ``{"hosts",
+        "world_size", "num_workers", "positions"}`` (the old job's host count, world size and
+        workers per rank, and the samples each worker's stream had delivered, by worker
+        index; in a synchronous job every rank's are the same), plus ``"from"``, the old
+        streams' own ``resume_from`` when the checkpoint was taken during an elastic epoch.
+        The new streams read what the old ones had not, exactly once, as many samples on every
+        rank; ``start`` then counts samples of the new stream."""
         request = _request("stream", dataset, epoch, rank, world_size, seed, worker, num_workers)
         request["start"] = int(start)
+        if resume_from is not None:
+            request["resume_from"] = _origin(resume_from)
         s = Stream(self.socket_path, request, self.timeout, self._open.discard,
                    self.reconnect_timeout)
         self._open.add(s)
         return s
 
-    def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1):
+    def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1,
+             resume_from=None):
         """The START of the stream ``stream()`` would open with the same arguments, without
         opening it: the daemon registers no schedule and loads nothing (protocol 3, op
         ``plan``). Returns START's fields as a dict: ``dataset``, ``shards``, ``samples``
         (None without a manifest), ``position``, ``dropped``, ``fingerprint``, ... Waits for a
         restarting daemon like ``stream()``; a refused request raises ``DaemonError``."""
         request = _request("plan", dataset, epoch, rank, world_size, seed, worker, num_workers)
+        if resume_from is not None:
+            request["resume_from"] = _origin(resume_from)
         with Stream(self.socket_path, request, self.timeout, None, self.reconnect_timeout) as s:
             for _ in s:
                 raise ProtocolError(f"the daemon at {self.socket_path} sent samples for a plan "
@@ -237,7 +253,18 @@ def _needs(request):
         version, feature = FEATURES["start"]
     if request["op"] == "plan":
         version, feature = FEATURES["plan"]
+    if request.get("resume_from") is not None:
+        version, feature = FEATURES["resume_from"]
     return version, feature
+
+
+def _origin(o):
+    """A ``resume_from`` dict as the protocol spells it (PROTOCOL.md, "Elastic resume")."""
+    out = {"hosts": int(o["hosts"]), "world_size": int(o["world_size"]),
+           "num_workers": int(o["num_workers"]), "positions": [int(p) for p in o["positions"]]}
+    if o.get("from") is not None:
+        out["from"] = _origin(o["from"])
+    return out
 
 
 def _request(op, dataset, epoch, rank, world_size, seed, worker, num_workers):
@@ -251,6 +278,15 @@ def _request(op, dataset, epoch, rank, world_size, seed, worker, num_workers):
         "num_workers": int(num_workers),
         "seed": int(seed),
     }
+
+
+def _text_source(samples, names):
+    """A mix's samples name their source in the field ``__source__``: a ``str``, like
+    ``__key__`` and ``__url__`` (costs nothing in batches without it)."""
+    if "__source__" in names:
+        for s in samples:
+            s["__source__"] = s["__source__"].decode()
+    return samples
 
 
 class Stream:
@@ -652,7 +688,7 @@ class Stream:
         self._lo += payload_offset
         payload = length - payload_offset
         if max_piece >= DIRECT_MIN and self._direct:
-            return self._read_pieces(n, names, urls, words)
+            return _text_source(self._read_pieces(n, names, urls, words), names)
 
         # Fast path: the whole payload through the buffer, one tight loop.
         self._fill(payload, payload)
@@ -674,7 +710,7 @@ class Stream:
                 p += ln
                 i += 2
             append(sample)
-        return out
+        return _text_source(out, names)
 
     def _read_pieces(self, n, names, urls, words):
         """A batch with large pieces: small ones through the buffer (read in runs that stop at

@@ -18,6 +18,10 @@ shardd[torch]``). Everything here is a thin layer over ``shardd.Client.stream``:
   torchdata's ``StatefulDataLoader`` calls in each worker) carry a stream's position; a
   loaded state reopens the stream with ``start=position``. For the plain DataLoader,
   ``skip(batches, batch_size)`` resumes after a number of batches (docs/pytorch.md).
+- **Elastic resume.** ``ShardDataset(..., resume_from=STATE)``, where STATE is any old rank's
+  ``StatefulDataLoader.state_dict()`` (or the dataset's own state) taken at another topology
+  (hosts, world size, workers): the rest of that epoch is read exactly once across the new
+  ranks, as many samples on each (the daemon's ``resume_from``, proto/PROTOCOL.md).
 - **Daemon restarts.** The client's streams reconnect and resume at their position when the
   daemon restarts (``reconnect_timeout``, default 300 s; proto/PROTOCOL.md, "Reconnecting"),
   so a worker's stream survives a restart without the trainer seeing it.
@@ -50,6 +54,7 @@ __all__ = [
     "PlanChangedError",
     "ForkedStreamError",
     "resume_epoch",
+    "elastic_origin",
     "DEFAULT_SOCKET",
 ]
 
@@ -88,7 +93,10 @@ class _Cursor:
     remembers its last cursor never keeps a socket open."""
 
     def __init__(self, fields, start, fingerprint):
-        self.fields = fields  # dataset, seed, rank, world_size, worker, num_workers, epoch
+        # dataset, seed, rank, world_size, worker, num_workers, epoch (and resume_from in an
+        # elastic epoch)
+        self.fields = fields
+        self.hosts = None  # the daemons' host count, from START: what an elastic resume needs
         self.start = start
         self.fingerprint = fingerprint
         self.stream = None
@@ -104,6 +112,7 @@ class _Cursor:
             position=position,
             fingerprint=self.fingerprint,
             ended=self.ended,
+            hosts=self.hosts,
         )
 
     def retire(self):
@@ -167,7 +176,7 @@ class _ShardIterator:
             stream = _ask(
                 self._client, "stream", f["dataset"], epoch=f["epoch"], rank=f["rank"],
                 world_size=f["world_size"], seed=f["seed"], worker=f["worker"],
-                num_workers=f["num_workers"], start=c.start)
+                num_workers=f["num_workers"], start=c.start, resume_from=f.get("resume_from"))
         except DaemonError as e:
             self._past_end(e)
             raise
@@ -186,6 +195,7 @@ class _ShardIterator:
                 f"known, equal length: give dataset {f['dataset']!r} a manifest (`shardd "
                 f"index`), or resume with torchdata's StatefulDataLoader or num_workers=0")
         c.fingerprint = stream.fingerprint
+        c.hosts = stream.start_fields.get("hosts")
         c.stream = stream
         self._next = stream.__next__
         try:
@@ -233,14 +243,18 @@ class ShardDataset(torch.utils.data.IterableDataset):
     ``check_plan``: let ``set_epoch`` compare the plan fingerprints of all ranks when
     ``torch.distributed`` is initialised and the dataset spans its whole world: True (over
     the default process group), False, or the process group to use (e.g. a gloo group when
-    the default backend cannot gather Python objects).
+    the default backend cannot gather Python objects). ``resume_from``: a state saved at
+    another topology (any old rank's ``StatefulDataLoader.state_dict()``, or the dataset's own
+    ``state_dict()``s): the dataset starts at that state's epoch and reads the rest of it,
+    split over this job's ranks (see ``elastic_origin``); load no other state with it.
 
     Yields webdataset-shaped dicts: ``{"__key__": str, "__url__": str, field: bytes, ...}``.
     There is no ``__len__``: see ``epoch_length``.
     """
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
-                 timeout=None, check_plan=True, reconnect_timeout=RECONNECT_TIMEOUT):
+                 timeout=None, check_plan=True, reconnect_timeout=RECONNECT_TIMEOUT,
+                 resume_from=None):
         super().__init__()
         self.dataset = str(dataset)
         self.socket = str(socket or os.environ.get("SHARDD_SOCKET") or DEFAULT_SOCKET)
@@ -256,6 +270,11 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self._epoch = torch.tensor([int(epoch)], dtype=torch.int64).share_memory_()
         self._stages = []
         self._resume = None  # a pending state or skip, used by the next __iter__ of its epoch
+        # An elastic resume: (epoch, the daemon's resume_from) from an old topology's state.
+        self._elastic = None if resume_from is None else elastic_origin(resume_from, dataset,
+                                                                         self.seed)
+        if self._elastic is not None:
+            self._epoch[0] = self._elastic[0]
         self._cursor = None  # the cursor of this process's latest iterator
 
     # -- topology and epochs ---------------------------------------------------------------
@@ -310,9 +329,18 @@ class ShardDataset(torch.utils.data.IterableDataset):
         """The START of the stream of (this rank, worker 0 of ``num_workers``) for the current
         epoch, as a dict (its ``samples`` and ``fingerprint``): a plan request, so the daemon
         registers no schedule for it (a probe stream's would linger and skew its prefetching)."""
+        return self._plan(0, num_workers)
+
+    def _plan(self, worker, num_workers):
         return _ask(self._client(), "plan", self.dataset, epoch=self.epoch, rank=self.rank,
-                    world_size=self.world_size, seed=self.seed, worker=0,
-                    num_workers=max(1, int(num_workers)))
+                    world_size=self.world_size, seed=self.seed, worker=worker,
+                    num_workers=max(1, int(num_workers)), resume_from=self._origin(self.epoch))
+
+    def _origin(self, epoch):
+        """The daemon's ``resume_from`` for ``epoch``: set only in the epoch of an elastic
+        resume."""
+        e = self._elastic
+        return e[1] if e is not None and e[0] == epoch else None
 
     def verify_plan(self):
         """Checks, with one ``all_gather_object``, that every rank of the job gets the same
@@ -366,13 +394,15 @@ class ShardDataset(torch.utils.data.IterableDataset):
         on every rank, when the dataset has a manifest; None without one. One round trip to
         the daemon (which is why this is not ``__len__``)."""
         k = max(1, int(num_workers))
-        n = self._probe(k)["samples"]
-        if n is None:
+        # An elastic epoch's workers may differ by a sample: ask for each.
+        workers = k if self._origin(self.epoch) is not None else 1
+        lengths = [self._plan(w, k)["samples"] for w in range(workers)]
+        if None in lengths:
             return None
+        lengths = lengths * (k // workers)
         if batch_size is None:
-            return k * n
-        per_worker = n // batch_size if drop_last else -(-n // batch_size)
-        return k * per_worker
+            return sum(lengths)
+        return sum(n // batch_size if drop_last else -(-n // batch_size) for n in lengths)
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -393,6 +423,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
         fields = dict(dataset=self.dataset, seed=self.seed, rank=self.rank,
                       world_size=self.world_size, worker=worker, num_workers=num_workers,
                       epoch=self.epoch)
+        origin = self._origin(self.epoch)
+        if origin is not None:
+            fields["resume_from"] = origin
         start, fingerprint, past_end_is_empty = 0, None, False
         resume, self._resume = self._resume, None
         if resume is not None:
@@ -436,6 +469,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
                     f"cannot resume exactly: the state is of {_describe(resume)}, this stream is "
                     f"{_describe(fields)} ({key} differs). Load each rank's own state into a "
                     f"loader with as many workers as the one that saved it")
+        if resume.get("resume_from") is not None:
+            # A state of an elastic epoch: its streams are that resume's.
+            fields["resume_from"] = resume["resume_from"]
         if resume.get("ended"):
             return None, resume.get("fingerprint"), False
         return int(resume["position"]), resume.get("fingerprint"), False
@@ -454,9 +490,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
         if self._resume is not None and self._resume.get("kind") != "batches":
             return dict(self._resume)
         worker, num_workers = _worker()
-        return dict(shardd=STATE_VERSION, dataset=self.dataset, seed=self.seed, rank=self.rank,
-                    world_size=self.world_size, worker=worker, num_workers=num_workers,
-                    epoch=self.epoch, position=0, fingerprint=None, ended=False)
+        state = dict(shardd=STATE_VERSION, dataset=self.dataset, seed=self.seed, rank=self.rank,
+                     world_size=self.world_size, worker=worker, num_workers=num_workers,
+                     epoch=self.epoch, position=0, fingerprint=None, ended=False, hosts=None)
+        origin = self._origin(self.epoch)
+        if origin is not None:
+            state["resume_from"] = origin
+        return state
 
     def load_state_dict(self, state):
         """Makes the next iteration of ``state['epoch']`` continue right after the last sample
@@ -490,6 +530,67 @@ class ShardDataset(torch.utils.data.IterableDataset):
 def _describe(f):
     return (f"dataset {f['dataset']!r} seed {f['seed']} rank {f['rank']} of {f['world_size']}, "
             f"worker {f['worker']} of {f['num_workers']}")
+
+
+def _stream_states(state):
+    """The shardd stream states inside ``state`` (a loader's, a dataset's, or a list)."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if x.get("shardd") == STATE_VERSION and "epoch" in x and "position" in x:
+                found.append(x)
+                return
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(state)
+    return found
+
+
+def elastic_origin(state, dataset=None, seed=None):
+    """``(epoch, resume_from)`` for an elastic resume from ``state``: one old rank's
+    ``StatefulDataLoader.state_dict()``, its dataset's ``state_dict()``, or a list of its
+    workers' dataset states. In a synchronous job every rank has taken as many batches at a
+    checkpoint, so one rank's worker positions are every rank's, and with the old topology
+    (``hosts``, ``world_size``, ``num_workers``) they say what every old stream consumed.
+    Raises ``ValueError`` naming what is missing or inconsistent."""
+    states = [s for s in _stream_states(state) if s.get("kind") != "batches"]
+    if not states:
+        raise ValueError(f"resume_from: no shardd.torch stream state in {state!r}")
+    first = states[0]
+    for key in ("dataset", "seed", "epoch", "world_size", "num_workers", "rank"):
+        values = {repr(s[key]) for s in states}
+        if len(values) > 1:
+            raise ValueError(f"resume_from: the states disagree on {key} ({', '.join(values)}): "
+                             f"give one rank's loader state")
+    if dataset is not None and first["dataset"] != dataset:
+        raise ValueError(f"resume_from: the state is of dataset {first['dataset']!r}, not "
+                         f"{dataset!r}")
+    if seed is not None and first["seed"] != seed:
+        raise ValueError(f"resume_from: the state was saved with seed {first['seed']}, this "
+                         f"dataset has seed {seed}: an elastic resume keeps the run's seed")
+    hosts = {s.get("hosts") for s in states} - {None}
+    if len(hosts) != 1:
+        raise ValueError("resume_from: the state does not say how many hosts served it (a "
+                         "stream must have been opened; states from shardd before elastic "
+                         "resume lack it)" if not hosts else
+                         f"resume_from: the states disagree on hosts ({sorted(hosts)})")
+    k = first["num_workers"]
+    positions = {}
+    for s in states:
+        positions[s["worker"]] = int(s["position"])
+    if sorted(positions) != list(range(k)):
+        raise ValueError(f"resume_from: the state has workers {sorted(positions)} of {k}: give "
+                         f"the whole loader state of one rank (every worker's stream)")
+    origin = dict(hosts=hosts.pop(), world_size=first["world_size"], num_workers=k,
+                  positions=[positions[w] for w in range(k)])
+    if first.get("resume_from") is not None:
+        origin["from"] = first["resume_from"]
+    return first["epoch"], origin
 
 
 def resume_epoch(loader_state):

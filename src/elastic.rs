@@ -1,0 +1,954 @@
+//! Elastic resume: the rest of an epoch checkpointed at one topology, read at another.
+//!
+//! A synchronous job checkpoints when every rank has taken the same number of batches, so
+//! every old rank's worker `w` has delivered the same number of samples `p_w` (streams are
+//! of equal length), and one rank's state says what every old stream consumed: its shuffled
+//! output positions `0..p_w`. What is left of old stream `s` is its positions `p_w..C`: a
+//! *segment* of a base stream, read exactly as a `start=` resume reads it (the window that
+//! holds `p_w`, permuted as before, then on to the end). Nothing consumed is ever read.
+//!
+//! **Redistribution** (manifest mode only: lengths must be known before reading):
+//! 1. Old host `h`'s remainder is its streams' segments in stream order (local rank, then
+//!    worker): `Q_h` samples. `R = Σ Q_h`.
+//! 2. Every new stream gets `C' = ⌊R / (H'·S')⌋` samples (S' streams per new host), so every
+//!    new rank takes as many steps; new host `h` needs `D = S'·C'`. Fewer than `H'·S'`
+//!    samples, the end of the order below, are dropped (and reported).
+//! 3. **Locality.** New host `h < min(H, H')` first takes up to `D` from the front of old
+//!    host `h`'s remainder (assuming host indices name machines: the shards are in its
+//!    cache). What is left of the old hosts, in host order, then fills the new hosts that
+//!    still need samples, in index order. So 2→4 hosts: new hosts 0 and 1 each read half of
+//!    their own old share, 2 and 3 the other halves; 64→32: new host `h` reads old host `h`'s
+//!    remainder and then old host `32 + h`'s.
+//! 4. New host `h'`'s segments, in that order, are cut into `S'` runs of `C'`: stream
+//!    `local rank · K' + worker` takes the s-th run. A new stream reads its segments one
+//!    after another, each in its old shuffled order.
+//!
+//! A checkpoint taken during an elastic epoch resumes the same way: its streams are lists of
+//! segments, consumed from the front ([`Origin::from`] chains the hops). The cost is
+//! O(old streams × segments) arithmetic, no sample is read, and the next epoch is a normal
+//! epoch of the new topology.
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::{self, PlanError, Shape, StreamRequest, Topology};
+
+/// Where a checkpoint was taken: the topology and how far each worker's stream had got.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Origin {
+    /// Host count of the daemons that served the old streams (`START.hosts`).
+    pub hosts: u32,
+    pub world_size: u32,
+    pub num_workers: u32,
+    /// Samples worker `w`'s stream had delivered, on every rank (index = worker).
+    pub positions: Vec<u64>,
+    /// The origin of the old streams when they were an elastic resume themselves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<Box<Origin>>,
+}
+
+impl Origin {
+    fn streams_per_host(&self) -> u64 {
+        (self.world_size / self.hosts) as u64 * self.num_workers as u64
+    }
+}
+
+/// A run of a base (non-elastic) stream's shuffled output: positions `from..to`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// The host that served the base stream, and its request.
+    pub host: Topology,
+    pub req: StreamRequest,
+    pub from: u64,
+    pub to: u64,
+    /// When the base stream is a mix's stream of one of its sources: which, and its quota.
+    pub source: Option<SourceOf>,
+}
+
+/// Source `index` of a mix, whose streams read `quota` samples of it per epoch (its
+/// `samples_per_epoch`, keyed apart: see the server's mix plan).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceOf {
+    pub index: u32,
+    pub quota: u64,
+}
+
+impl Segment {
+    fn len(&self) -> u64 {
+        self.to - self.from
+    }
+}
+
+/// One stream's share of an elastic resume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ElasticPlan {
+    pub segments: Vec<Segment>,
+    /// Samples the stream delivers.
+    pub samples: u64,
+    /// What was left of the epoch at the checkpoint, job-wide.
+    pub remainder: u64,
+    /// Of it, what no new stream reads (so that all have `C'`), job-wide.
+    pub dropped: u64,
+}
+
+/// Plans stream `req` (at the new topology `host`) of the rest of `req.epoch` after the
+/// checkpoint `origin`.
+pub fn plan(
+    shape: Shape,
+    host: Topology,
+    req: &StreamRequest,
+    origin: &Origin,
+) -> Result<ElasticPlan, PlanError> {
+    let local_rank = plan::validate(host, req)?;
+    let split = split(shape, host.count, req, origin)?;
+    let stream = local_rank * req.num_workers as usize + req.worker as usize;
+    Ok(ElasticPlan {
+        segments: split.hosts[host.index as usize][stream].clone(),
+        samples: split.lengths[req.worker as usize],
+        remainder: split.remainder,
+        dropped: split.dropped,
+    })
+}
+
+type Lanes = Vec<Vec<Vec<Segment>>>;
+
+/// Every new stream's segments: `hosts[h][s]`.
+pub struct Split {
+    pub hosts: Lanes,
+    /// Samples of each new worker's stream (the same on every rank).
+    pub lengths: Vec<u64>,
+    pub remainder: u64,
+    pub dropped: u64,
+}
+
+/// The redistribution of the module docs, for every new host and stream.
+pub fn split(
+    shape: Shape,
+    hosts: u32,
+    req: &StreamRequest,
+    origin: &Origin,
+) -> Result<Split, PlanError> {
+    let counts = shape.counts.ok_or(PlanError::ElasticNeedsManifest)?;
+    if shape.resampled {
+        return Err(PlanError::BadOrigin(
+            "a resampled dataset has no remainder to redistribute: resume it at its own topology"
+                .into(),
+        ));
+    }
+    let (old, old_lengths) = streams(shape, counts, req, origin)?;
+    let left: Vec<u64> = (origin.positions.iter().zip(&old_lengths))
+        .map(|(p, n)| n - p)
+        .collect();
+    let consumed: Vec<Vec<u64>> = old
+        .iter()
+        .map(|streams| {
+            (0..streams.len())
+                .map(|s| origin.positions[s % origin.num_workers as usize])
+                .collect()
+        })
+        .collect();
+    Ok(redistribute(&old, &consumed, hosts, req, Some(&left)))
+}
+
+/// Deals what the old streams (`old[h][s]`, of which `consumed[h][s]` samples were read) have
+/// left to the new hosts and streams (module docs). `keep`: each old worker's remainder, kept
+/// as the new workers' lengths when the ranks and workers are the old ones.
+fn redistribute(
+    old: &Lanes,
+    consumed: &[Vec<u64>],
+    hosts: u32,
+    req: &StreamRequest,
+    keep: Option<&[u64]>,
+) -> Split {
+    let remainders: Vec<Vec<Segment>> = old
+        .iter()
+        .zip(consumed)
+        .map(|(streams, consumed)| {
+            streams
+                .iter()
+                .zip(consumed)
+                .flat_map(|(lane, &p)| cut(lane, p, u64::MAX))
+                .collect()
+        })
+        .collect();
+    let sizes: Vec<u64> = remainders.iter().map(|r| total(r)).collect();
+    let remainder: u64 = sizes.iter().sum();
+    let lengths = worker_lengths(remainder, req, keep);
+    let ranks = (req.world_size / hosts) as usize;
+    let demand: u64 = lengths.iter().sum::<u64>() * ranks as u64;
+    let mut taken = vec![0u64; remainders.len()];
+    let mut mine: Vec<Vec<Segment>> = vec![Vec::new(); hosts as usize];
+    for h in 0..remainders.len().min(hosts as usize) {
+        let n = sizes[h].min(demand);
+        mine[h] = cut(&remainders[h], 0, n);
+        taken[h] = n;
+    }
+    let mut to = 0;
+    for (h, segments) in remainders.iter().enumerate() {
+        while taken[h] < sizes[h] {
+            while to < mine.len() && total(&mine[to]) == demand {
+                to += 1;
+            }
+            let Some(into) = mine.get_mut(to) else { break };
+            let n = (sizes[h] - taken[h]).min(demand - total(into));
+            into.extend(cut(segments, taken[h], taken[h] + n));
+            taken[h] += n;
+        }
+    }
+    let hosts = mine
+        .iter()
+        .map(|segments| {
+            let mut at = 0;
+            (0..ranks * lengths.len())
+                .map(|s| {
+                    let n = lengths[s % lengths.len()];
+                    at += n;
+                    cut(segments, at - n, at)
+                })
+                .collect()
+        })
+        .collect();
+    Split {
+        hosts,
+        lengths,
+        remainder,
+        dropped: remainder - demand * mine.len() as u64,
+    }
+}
+
+/// An elastic resume of a mix: each source's rest redistributed as a dataset's is (`split`),
+/// where what an old stream consumed of each source is its interleave's count at its
+/// position. `weights` and `e`: the mix's.
+pub fn split_mix(
+    weights: &[u64],
+    e: u64,
+    hosts: u32,
+    req: &StreamRequest,
+    origin: &Origin,
+) -> Result<Vec<Split>, PlanError> {
+    check(origin)?;
+    let old_req = StreamRequest {
+        world_size: origin.world_size,
+        num_workers: origin.num_workers,
+        ..*req
+    };
+    let k = origin.num_workers as usize;
+    let ranks = origin.world_size / origin.hosts;
+    // Per source: the old streams' lanes, and each old worker's length of it.
+    let (lanes, lens, base): (Vec<Lanes>, Vec<Vec<u64>>, bool) = match &origin.from {
+        None => {
+            let mix = crate::mix::Mix::new(weights, e)
+                .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
+            let lanes = mix
+                .quotas()
+                .iter()
+                .enumerate()
+                .map(|(i, &quota)| {
+                    (0..origin.hosts)
+                        .map(|h| {
+                            (0..ranks * origin.num_workers)
+                                .map(|s| {
+                                    vec![Segment {
+                                        host: Topology {
+                                            index: h,
+                                            count: origin.hosts,
+                                        },
+                                        req: StreamRequest {
+                                            rank: h * ranks + s / origin.num_workers,
+                                            worker: s % origin.num_workers,
+                                            ..old_req
+                                        },
+                                        from: 0,
+                                        to: quota,
+                                        source: Some(SourceOf {
+                                            index: i as u32,
+                                            quota,
+                                        }),
+                                    }]
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            let lens = mix.quotas().iter().map(|&q| vec![q; k]).collect();
+            (lanes, lens, true)
+        }
+        Some(earlier) => {
+            let prev = split_mix(weights, e, origin.hosts, &old_req, earlier)?;
+            let lens = prev.iter().map(|s| s.lengths.clone()).collect();
+            (prev.into_iter().map(|s| s.hosts).collect(), lens, false)
+        }
+    };
+    for (w, &p) in origin.positions.iter().enumerate() {
+        let n: u64 = lens.iter().map(|l| l[w]).sum();
+        if p > n {
+            return Err(PlanError::BadOrigin(format!(
+                "position {p} of worker {w} is past the end of its old stream ({n} samples)"
+            )));
+        }
+    }
+    // consumed[i][h][s]: what old stream (h, s) read of source i.
+    let mut consumed: Vec<Vec<Vec<u64>>> =
+        vec![
+            vec![vec![0; (ranks * origin.num_workers) as usize]; origin.hosts as usize];
+            lens.len()
+        ];
+    for h in 0..origin.hosts {
+        for s in 0..ranks * origin.num_workers {
+            let w = (s % origin.num_workers) as usize;
+            let stream = StreamRequest {
+                rank: h * ranks + s / origin.num_workers,
+                worker: w as u32,
+                ..old_req
+            };
+            let own: Vec<u64> = lens.iter().map(|l| l[w]).collect();
+            let counts = if base {
+                let mix = crate::mix::Mix::new(weights, e).expect("checked above");
+                mix.counts_at(plan::stream_key(&stream), origin.positions[w])
+            } else {
+                interleave_counts(&own, plan::stream_key(&stream), origin.positions[w])
+            };
+            for (i, c) in counts.into_iter().enumerate() {
+                consumed[i][h as usize][s as usize] = c;
+            }
+        }
+    }
+    Ok(lanes
+        .iter()
+        .zip(&consumed)
+        .map(|(lanes, consumed)| redistribute(lanes, consumed, hosts, req, None))
+        .collect())
+}
+
+/// The order of an elastic mix stream whose sources have `lens` samples: the sources with
+/// samples left, weighted by them (so each is used up exactly at the end); `None` when fewer
+/// than two have any. Returns the order and the sources it ranges over.
+pub fn interleave(lens: &[u64]) -> Option<(crate::mix::Mix, Vec<usize>)> {
+    let live: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] > 0).collect();
+    let weights: Vec<u64> = live.iter().map(|&i| lens[i]).collect();
+    let mix = crate::mix::Mix::new(&weights, weights.iter().sum()).ok()?;
+    Some((mix, live))
+}
+
+/// Samples of each source among the first `at` of an elastic mix stream (see `interleave`).
+fn interleave_counts(lens: &[u64], key: u64, at: u64) -> Vec<u64> {
+    let mut out = vec![0; lens.len()];
+    match interleave(lens) {
+        Some((mix, live)) => {
+            for (i, c) in live.into_iter().zip(mix.counts_at(key, at)) {
+                out[i] = c;
+            }
+        }
+        None => {
+            if let Some(i) = lens.iter().position(|&n| n > 0) {
+                out[i] = at;
+            }
+        }
+    }
+    out
+}
+
+/// Samples each new worker's stream gets (the same on every rank, so every rank takes as
+/// many steps): each old worker's remainder when the ranks and workers are those of the
+/// checkpoint (so the same topology resumes every stream exactly where it was), else the
+/// rank's share `⌊R / W'⌋` dealt evenly to its workers.
+fn worker_lengths(remainder: u64, req: &StreamRequest, keep: Option<&[u64]>) -> Vec<u64> {
+    let per_rank = remainder / req.world_size as u64;
+    if let Some(left) = keep
+        && req.num_workers as usize == left.len()
+        && left.iter().sum::<u64>() == per_rank
+    {
+        return left.to_vec();
+    }
+    let k = req.num_workers as u64;
+    (0..k)
+        .map(|w| per_rank / k + u64::from(w < per_rank % k))
+        .collect()
+}
+
+/// The old topology's streams, `[host][stream]`, each as its segments (base streams, or the
+/// split of an earlier hop), and each old worker's stream length.
+fn streams(
+    shape: Shape,
+    counts: &[u64],
+    req: &StreamRequest,
+    origin: &Origin,
+) -> Result<(Lanes, Vec<u64>), PlanError> {
+    check(origin)?;
+    let old_req = StreamRequest {
+        world_size: origin.world_size,
+        num_workers: origin.num_workers,
+        ..*req
+    };
+    let (lanes, length) = match &origin.from {
+        Some(earlier) => {
+            let s = split(shape, origin.hosts, &old_req, earlier)?;
+            (s.hosts, s.lengths)
+        }
+        None => {
+            let length = plan::stream_samples(counts, shape, origin.hosts, &old_req)
+                .ok_or(PlanError::NoSamples)?;
+            let ranks = origin.world_size / origin.hosts;
+            let lanes = (0..origin.hosts)
+                .map(|h| {
+                    (0..ranks * origin.num_workers)
+                        .map(|s| {
+                            vec![Segment {
+                                host: Topology {
+                                    index: h,
+                                    count: origin.hosts,
+                                },
+                                req: StreamRequest {
+                                    rank: h * ranks + s / origin.num_workers,
+                                    worker: s % origin.num_workers,
+                                    ..old_req
+                                },
+                                from: 0,
+                                to: length,
+                                source: None,
+                            }]
+                        })
+                        .collect()
+                })
+                .collect();
+            (lanes, vec![length; origin.num_workers as usize])
+        }
+    };
+    for (w, (p, n)) in origin.positions.iter().zip(&length).enumerate() {
+        if p > n {
+            return Err(PlanError::BadOrigin(format!(
+                "position {p} of worker {w} is past the end of its old stream ({n} samples)"
+            )));
+        }
+    }
+    Ok((lanes, length))
+}
+
+fn check(o: &Origin) -> Result<(), PlanError> {
+    let bad = |what: String| Err(PlanError::BadOrigin(what));
+    if o.hosts == 0 || o.world_size == 0 || o.num_workers == 0 {
+        return bad("hosts, world_size and num_workers must be at least 1".into());
+    }
+    if !o.world_size.is_multiple_of(o.hosts) {
+        return bad(format!(
+            "world_size {} is not divisible by hosts {}",
+            o.world_size, o.hosts
+        ));
+    }
+    if o.positions.len() != o.num_workers as usize {
+        return bad(format!(
+            "{} positions for {} workers: give every worker's position",
+            o.positions.len(),
+            o.num_workers
+        ));
+    }
+    if o.streams_per_host().checked_mul(o.hosts as u64).is_none() {
+        return bad("too many streams".into());
+    }
+    Ok(())
+}
+
+fn total(segments: &[Segment]) -> u64 {
+    segments.iter().map(Segment::len).sum()
+}
+
+/// Samples `lo..hi` of the concatenation of `segments`, as segments.
+fn cut(segments: &[Segment], lo: u64, hi: u64) -> Vec<Segment> {
+    let mut out = Vec::new();
+    let mut at = 0u64;
+    for s in segments {
+        let (a, b) = (at, at + s.len());
+        at = b;
+        let (x, y) = (a.max(lo), b.min(hi));
+        if x < y {
+            out.push(Segment {
+                from: s.from + (x - a),
+                to: s.from + (y - a),
+                ..*s
+            });
+        }
+        if b >= hi {
+            break;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shuffle::SplitMix64;
+    use std::collections::HashMap;
+
+    /// The samples of a base stream in output order, named (shard, index), by planning it
+    /// and shuffling it as the stream does.
+    fn base_output(shape: Shape, seg: &Segment, window: usize) -> Vec<(usize, u64)> {
+        let p = plan::plan_stream(shape, seg.host, &seg.req).unwrap();
+        let mut flat: Vec<(usize, u64)> = p
+            .pieces
+            .iter()
+            .flat_map(|x| (x.start..x.end.unwrap()).map(move |i| (x.shard, i)))
+            .collect();
+        let mut shuffle = crate::shuffle::WindowShuffle::new(p.stream_key, window);
+        let mut out = Vec::new();
+        while !flat.is_empty() {
+            let n = shuffle.next_len().min(flat.len());
+            let mut w: Vec<_> = flat.drain(..n).collect();
+            shuffle.permute(&mut w);
+            out.extend(w);
+        }
+        out
+    }
+
+    fn read(shape: Shape, segments: &[Segment], window: usize) -> Vec<(usize, u64)> {
+        segments
+            .iter()
+            .flat_map(|s| base_output(shape, s, window)[s.from as usize..s.to as usize].to_vec())
+            .collect()
+    }
+
+    #[derive(Clone, Copy)]
+    struct Topo {
+        hosts: u32,
+        ranks: u32,
+        workers: u32,
+    }
+
+    fn random_topo(rng: &mut SplitMix64) -> Topo {
+        Topo {
+            hosts: 1 + rng.below(4) as u32,
+            ranks: 1 + rng.below(3) as u32,
+            workers: 1 + rng.below(3) as u32,
+        }
+    }
+
+    /// Every stream of the job at `t` for `origin` (None: a normal epoch), read in full.
+    fn all_streams(
+        shape: Shape,
+        t: &Topo,
+        seed: u64,
+        epoch: u64,
+        origin: Option<&Origin>,
+        window: usize,
+    ) -> Vec<Vec<Vec<(usize, u64)>>> {
+        (0..t.hosts)
+            .map(|h| {
+                (0..t.ranks * t.workers)
+                    .map(|s| {
+                        let host = Topology {
+                            index: h,
+                            count: t.hosts,
+                        };
+                        let req = StreamRequest {
+                            seed,
+                            epoch,
+                            rank: h * t.ranks + s / t.workers,
+                            world_size: t.hosts * t.ranks,
+                            worker: s % t.workers,
+                            num_workers: t.workers,
+                        };
+                        match origin {
+                            None => {
+                                let seg = Segment {
+                                    host,
+                                    req,
+                                    from: 0,
+                                    to: u64::MAX,
+                                    source: None,
+                                };
+                                base_output(shape, &seg, window)
+                            }
+                            Some(o) => {
+                                read(shape, &plan(shape, host, &req, o).unwrap().segments, window)
+                            }
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Every rank gets as many samples, and worker w the same on every rank.
+    fn assert_equal_ranks(streams: &[Vec<Vec<(usize, u64)>>], workers: u32, case: u32) {
+        let lens: Vec<usize> = streams.iter().flatten().map(Vec::len).collect();
+        let k = workers as usize;
+        for (s, &l) in lens.iter().enumerate() {
+            assert_eq!(l, lens[s % k], "case {case}: {lens:?}");
+        }
+    }
+
+    /// Old topology → new one (→ another), at random checkpoints: what was consumed plus what
+    /// the new streams read is every sample of the epoch exactly once, but the drops; equal
+    /// per new stream; the same topology gives exactly the `start=` resume.
+    #[test]
+    fn the_rest_of_the_epoch_is_read_exactly_once_at_any_topology() {
+        let mut rng = SplitMix64::new(2026);
+        for case in 0..150 {
+            let shards = 1 + rng.below(14) as usize;
+            let counts: Vec<u64> = (0..shards).map(|_| rng.below(40)).collect();
+            let spe = (rng.below(3) == 0).then(|| 1 + rng.below(30));
+            let shape = Shape {
+                counts: Some(&counts),
+                samples_per_epoch: spe,
+                share_seed: rng.next_u64(),
+                ..Shape::shards(shards)
+            };
+            let window = 1 + rng.below(20) as usize;
+            let (seed, epoch) = (rng.next_u64(), rng.below(3));
+            let t0 = random_topo(&mut rng);
+            let hops = 1 + rng.below(2);
+            let mut origin: Option<Origin> = None;
+            let mut consumed: Vec<(usize, u64)> = Vec::new();
+            let mut t = t0;
+            let mut dropped_by_hops = 0;
+            for _ in 0..hops {
+                let streams = all_streams(shape, &t, seed, epoch, origin.as_ref(), window);
+                assert_equal_ranks(&streams, t.workers, case);
+                let positions: Vec<u64> = (0..t.workers as usize)
+                    .map(|w| rng.below(streams[0][w].len() as u64 + 1))
+                    .collect();
+                for host in &streams {
+                    for (s, out) in host.iter().enumerate() {
+                        consumed.extend(&out[..positions[s % t.workers as usize] as usize]);
+                    }
+                }
+                let next = Origin {
+                    hosts: t.hosts,
+                    world_size: t.hosts * t.ranks,
+                    num_workers: t.workers,
+                    positions,
+                    from: origin.map(Box::new),
+                };
+                t = random_topo(&mut rng);
+                let req = StreamRequest {
+                    seed,
+                    epoch,
+                    rank: 0,
+                    world_size: t.hosts * t.ranks,
+                    worker: 0,
+                    num_workers: t.workers,
+                };
+                let s = split(shape, t.hosts, &req, &next).unwrap();
+                assert!(
+                    s.dropped < (t.hosts * t.ranks * t.workers) as u64,
+                    "case {case}"
+                );
+                dropped_by_hops += s.dropped;
+                origin = Some(next);
+            }
+            let rest = all_streams(shape, &t, seed, epoch, origin.as_ref(), window);
+            assert_equal_ranks(&rest, t.workers, case);
+            // Everything the original epoch reads, once each.
+            let full = all_streams(shape, &t0, seed, epoch, None, window);
+            let mut want: HashMap<(usize, u64), u32> = HashMap::new();
+            for x in full.iter().flatten().flatten() {
+                *want.entry(*x).or_default() += 1;
+            }
+            let mut got: HashMap<(usize, u64), u32> = HashMap::new();
+            for x in consumed.iter().chain(rest.iter().flatten().flatten()) {
+                *got.entry(*x).or_default() += 1;
+            }
+            let missing: u64 = want
+                .iter()
+                .map(|(k, &n)| n.saturating_sub(*got.get(k).unwrap_or(&0)) as u64)
+                .sum();
+            let extra: u64 = got
+                .iter()
+                .map(|(k, &n)| n.saturating_sub(*want.get(k).unwrap_or(&0)) as u64)
+                .sum();
+            assert_eq!(extra, 0, "case {case}: samples read twice");
+            assert_eq!(
+                missing, dropped_by_hops,
+                "case {case}: lost beyond the drops"
+            );
+        }
+    }
+
+    /// Resuming at the topology of the checkpoint: each stream continues exactly as a
+    /// `start=` resume of its own stream would.
+    #[test]
+    fn the_same_topology_resumes_each_stream_where_it_was() {
+        let counts: Vec<u64> = (0..9).map(|i| 5 + i * 3).collect();
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(9)
+        };
+        let t = Topo {
+            hosts: 2,
+            ranks: 2,
+            workers: 2,
+        };
+        let full = all_streams(shape, &t, 7, 1, None, 6);
+        let origin = Origin {
+            hosts: 2,
+            world_size: 4,
+            num_workers: 2,
+            positions: vec![5, 4],
+            from: None,
+        };
+        let rest = all_streams(shape, &t, 7, 1, Some(&origin), 6);
+        for h in 0..2 {
+            for s in 0..4 {
+                let p = origin.positions[s % 2] as usize;
+                assert_eq!(rest[h][s], full[h][s][p..], "host {h} stream {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn growth_and_shrink_keep_what_each_host_had() {
+        let counts = vec![10u64; 64]; // 640: 2 or 4 hosts, 4 consumed each: no drop
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(64)
+        };
+        let origin = |hosts| Origin {
+            hosts,
+            world_size: hosts,
+            num_workers: 1,
+            positions: vec![4],
+            from: None,
+        };
+        let req = |world_size| StreamRequest {
+            seed: 1,
+            epoch: 0,
+            rank: 0,
+            world_size,
+            worker: 0,
+            num_workers: 1,
+        };
+        // 2 → 4: new hosts 0 and 1 read only their own old host's streams.
+        let s = split(shape, 4, &req(4), &origin(2)).unwrap();
+        for h in 0..4usize {
+            let from: Vec<u32> = s.hosts[h][0].iter().map(|g| g.host.index).collect();
+            assert!(from.iter().all(|&o| o == h as u32 % 2), "{h}: {from:?}");
+        }
+        // 4 → 2: new host h reads old host h's, then old host h + 2's.
+        let s = split(shape, 2, &req(2), &origin(4)).unwrap();
+        for h in 0..2usize {
+            let from: Vec<u32> = s.hosts[h][0].iter().map(|g| g.host.index).collect();
+            assert_eq!(from, vec![h as u32, h as u32 + 2]);
+        }
+    }
+
+    /// The base output of a mix source's segment (its quota as samples_per_epoch, its key
+    /// apart, as the server plans it).
+    fn source_output(shape: Shape, seg: &Segment, window: usize) -> Vec<(usize, u64)> {
+        let src = seg.source.unwrap();
+        let shape = Shape {
+            samples_per_epoch: Some(src.quota),
+            ..shape
+        };
+        let mut p = plan::plan_stream(shape, seg.host, &seg.req).unwrap();
+        p.stream_key = crate::shuffle::key(&[
+            crate::shuffle::tag::MIX_SOURCE,
+            p.stream_key,
+            src.index as u64,
+        ]);
+        let mut flat: Vec<(usize, u64)> = p
+            .pieces
+            .iter()
+            .flat_map(|x| (x.start..x.end.unwrap()).map(move |i| (x.shard, i)))
+            .collect();
+        let mut shuffle = crate::shuffle::WindowShuffle::new(p.stream_key, window);
+        let mut out = Vec::new();
+        while !flat.is_empty() {
+            let n = shuffle.next_len().min(flat.len());
+            let mut w: Vec<_> = flat.drain(..n).collect();
+            shuffle.permute(&mut w);
+            out.extend(w);
+        }
+        out[seg.from as usize..seg.to as usize].to_vec()
+    }
+
+    /// A mix checkpointed at random positions resumes on another topology (and another):
+    /// per source, what the old streams' interleaves had taken plus what the new streams
+    /// read is the epoch's samples of that source exactly once, but the drops; every new
+    /// rank reads as many of each source.
+    #[test]
+    fn a_mix_resumes_elastically_exactly_once_per_source() {
+        let mut rng = SplitMix64::new(99);
+        for case in 0..40 {
+            let a: Vec<u64> = (0..1 + rng.below(6)).map(|_| 5 + rng.below(25)).collect();
+            let b: Vec<u64> = (0..1 + rng.below(6)).map(|_| 5 + rng.below(25)).collect();
+            let shapes = [
+                Shape {
+                    counts: Some(&a),
+                    ..Shape::shards(a.len())
+                },
+                Shape {
+                    counts: Some(&b),
+                    ..Shape::shards(b.len())
+                },
+            ];
+            let weights = [1 + rng.below(4), 1 + rng.below(4)];
+            let e = 1 + rng.below(40);
+            let window = 1 + rng.below(8) as usize;
+            let (seed, epoch) = (rng.next_u64(), rng.below(3));
+            let t0 = random_topo(&mut rng);
+            let quotas = crate::mix::Mix::new(&weights, e).unwrap().quotas().to_vec();
+            // The whole epoch of each source, and what the old streams consumed of it.
+            let mut want = [HashMap::new(), HashMap::new()];
+            let mut got: [HashMap<(usize, u64), u32>; 2] = [HashMap::new(), HashMap::new()];
+            let positions: Vec<u64> = (0..t0.workers).map(|_| rng.below(e + 1)).collect();
+            for h in 0..t0.hosts {
+                for s in 0..t0.ranks * t0.workers {
+                    let req = StreamRequest {
+                        seed,
+                        epoch,
+                        rank: h * t0.ranks + s / t0.workers,
+                        world_size: t0.hosts * t0.ranks,
+                        worker: s % t0.workers,
+                        num_workers: t0.workers,
+                    };
+                    let mix = crate::mix::Mix::new(&weights, e).unwrap();
+                    let taken =
+                        mix.counts_at(plan::stream_key(&req), positions[req.worker as usize]);
+                    for i in 0..2 {
+                        let seg = Segment {
+                            host: Topology {
+                                index: h,
+                                count: t0.hosts,
+                            },
+                            req,
+                            from: 0,
+                            to: quotas[i],
+                            source: Some(SourceOf {
+                                index: i as u32,
+                                quota: quotas[i],
+                            }),
+                        };
+                        let out = source_output(shapes[i], &seg, window);
+                        for x in &out {
+                            *want[i].entry(*x).or_insert(0) += 1;
+                        }
+                        for x in &out[..taken[i] as usize] {
+                            *got[i].entry(*x).or_insert(0) += 1;
+                        }
+                    }
+                }
+            }
+            let origin = Origin {
+                hosts: t0.hosts,
+                world_size: t0.hosts * t0.ranks,
+                num_workers: t0.workers,
+                positions,
+                from: None,
+            };
+            let t = random_topo(&mut rng);
+            let req = StreamRequest {
+                seed,
+                epoch,
+                rank: 0,
+                world_size: t.hosts * t.ranks,
+                worker: 0,
+                num_workers: t.workers,
+            };
+            let splits = split_mix(&weights, e, t.hosts, &req, &origin).unwrap();
+            for (i, split) in splits.iter().enumerate() {
+                let mut per_rank = HashMap::new();
+                for (h, streams) in split.hosts.iter().enumerate() {
+                    for (s, segments) in streams.iter().enumerate() {
+                        let rank = h as u32 * t.ranks + s as u32 / t.workers;
+                        for seg in segments {
+                            for x in source_output(shapes[i], seg, window) {
+                                *got[i].entry(x).or_insert(0) += 1;
+                                *per_rank.entry(rank).or_insert(0u64) += 1;
+                            }
+                        }
+                    }
+                }
+                let counts: std::collections::HashSet<u64> = (0..t.hosts * t.ranks)
+                    .map(|r| *per_rank.get(&r).unwrap_or(&0))
+                    .collect();
+                assert_eq!(counts.len(), 1, "case {case} source {i}: {per_rank:?}");
+                // Sources repeat samples within an epoch when quotas wrap passes: compare counts.
+                for (x, &n) in &got[i] {
+                    assert!(
+                        n <= *want[i].get(x).unwrap_or(&0),
+                        "case {case} source {i}: {x:?} read twice"
+                    );
+                }
+                let missing: u32 = want[i]
+                    .iter()
+                    .map(|(x, &n)| n - got[i].get(x).copied().unwrap_or(0))
+                    .sum();
+                assert_eq!(missing as u64, split.dropped, "case {case} source {i}");
+            }
+        }
+    }
+
+    /// Golden vector: an elastic resume's segments are a contract like any plan (a change is
+    /// a protocol-level change).
+    #[test]
+    fn golden_split() {
+        let counts = [5, 9, 3, 12, 7, 1, 8];
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(counts.len())
+        };
+        let origin = Origin {
+            hosts: 2,
+            world_size: 4,
+            num_workers: 2,
+            positions: vec![3, 1],
+            from: None,
+        };
+        let host = Topology { index: 0, count: 1 };
+        let req = StreamRequest {
+            seed: 7,
+            epoch: 3,
+            rank: 1,
+            world_size: 3,
+            worker: 0,
+            num_workers: 1,
+        };
+        let p = plan(shape, host, &req, &origin).unwrap();
+        let pinned: Vec<(u32, u32, u32, u64, u64)> = p
+            .segments
+            .iter()
+            .map(|s| (s.host.index, s.req.rank, s.req.worker, s.from, s.to))
+            .collect();
+        assert_eq!(pinned, GOLDEN_SEGMENTS);
+        assert_eq!((p.samples, p.remainder, p.dropped), (8, 24, 0));
+    }
+    const GOLDEN_SEGMENTS: [(u32, u32, u32, u64, u64); 3] =
+        [(0, 1, 1, 1, 5), (1, 2, 0, 3, 5), (1, 2, 1, 1, 3)];
+
+    #[test]
+    fn bad_origins_are_refused_with_what_is_wrong() {
+        let counts = vec![10u64; 4];
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(4)
+        };
+        let host = Topology { index: 0, count: 1 };
+        let req = StreamRequest {
+            seed: 0,
+            epoch: 0,
+            rank: 0,
+            world_size: 1,
+            worker: 0,
+            num_workers: 1,
+        };
+        let o = |hosts, world_size, positions: Vec<u64>| Origin {
+            hosts,
+            world_size,
+            num_workers: positions.len().max(1) as u32,
+            positions,
+            from: None,
+        };
+        let e = |o: Origin| plan(shape, host, &req, &o).unwrap_err().to_string();
+        assert!(e(o(2, 3, vec![0])).contains("not divisible"));
+        assert!(e(o(1, 1, vec![41])).contains("past the end"));
+        let mut two = o(1, 1, vec![0, 0]);
+        two.num_workers = 3;
+        assert!(e(two).contains("2 positions for 3 workers"));
+        let no_manifest = Shape::shards(4);
+        assert_eq!(
+            plan(no_manifest, host, &req, &o(1, 1, vec![0])).unwrap_err(),
+            PlanError::ElasticNeedsManifest
+        );
+    }
+}
