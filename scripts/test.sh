@@ -20,7 +20,7 @@ apt_install() {
 }
 
 echo "== system packages"
-apt_install prometheus systemd   # promtool checks /metrics; systemd-analyze checks deploy/systemd
+apt_install prometheus systemd zstd   # promtool checks /metrics; systemd-analyze checks deploy/systemd; zstd and pzstd write the zstd test shards
 
 echo "== python venv"
 [ -x .venv/bin/python ] || python3 -m venv .venv

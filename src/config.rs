@@ -185,6 +185,9 @@ pub struct DatasetSection {
     /// A mix of other datasets: `mix = { web = 3, books = 1 }` (integer weights).
     #[serde(default)]
     pub mix: Option<BTreeMap<String, u64>>,
+    /// A mix's curriculum: other weights from an epoch on.
+    #[serde(default)]
+    pub schedule: Vec<ScheduleEntry>,
     #[serde(default = "default_shuffle_buffer")]
     pub shuffle_buffer: usize,
     #[serde(default)]
@@ -197,6 +200,14 @@ pub struct DatasetSection {
     pub samples_per_epoch: Option<u64>,
     #[serde(default)]
     pub resampled: bool,
+}
+
+/// `schedule = [{ epoch = 10, mix = { web = 1, books = 1 } }]`: from `epoch` on, these weights.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleEntry {
+    pub epoch: u64,
+    pub mix: BTreeMap<String, u64>,
 }
 
 fn default_shuffle_buffer() -> usize {
@@ -257,10 +268,48 @@ pub struct Config {
 #[derive(Debug, Clone)]
 pub struct MixDataset {
     pub name: String,
-    /// (source dataset, weight), in name order.
+    /// (source dataset, weight), in name order: the weights of epoch 0.
     pub sources: Vec<(String, u64)>,
     /// Samples every stream of the mix gets per epoch.
     pub samples_per_epoch: u64,
+    /// A curriculum: (first epoch, weights in `sources` order), epochs increasing.
+    pub schedule: Vec<(u64, Vec<u64>)>,
+}
+
+impl MixDataset {
+    /// The weights of `epoch`.
+    pub fn weights(&self, epoch: u64) -> Vec<u64> {
+        match self.schedule.iter().rev().find(|(from, _)| *from <= epoch) {
+            Some((_, w)) => w.clone(),
+            None => self.sources.iter().map(|s| s.1).collect(),
+        }
+    }
+
+    /// Each source's quota in `epoch`.
+    pub fn quotas(&self, epoch: u64) -> Vec<u64> {
+        crate::mix::quotas(&self.weights(epoch), self.samples_per_epoch)
+            .expect("the config checked the weights")
+    }
+
+    /// Where source `i`'s streams start `epoch` in its host's endless sequence, over the
+    /// streams of every epoch before (`streams` per host each): with a curriculum each
+    /// source continues where the earlier weights left it.
+    pub fn epoch_base(&self, i: usize, epoch: u64, streams: u128) -> Option<u128> {
+        let mut bounds: Vec<u64> = self.schedule.iter().map(|(e, _)| *e).collect();
+        bounds.retain(|&e| e < epoch);
+        let mut at = 0u128;
+        let mut from = 0u64;
+        for to in bounds.into_iter().chain(std::iter::once(epoch)) {
+            let quota = self.quotas(from)[i] as u128;
+            at = at.checked_add(
+                ((to - from) as u128)
+                    .checked_mul(quota)?
+                    .checked_mul(streams)?,
+            )?;
+            from = to;
+        }
+        Some(at)
+    }
 }
 
 /// How a download is checked against its source (`store.verify`).
@@ -324,6 +373,7 @@ impl Dataset {
             share_seed: self.share_seed,
             samples_per_epoch: self.samples_per_epoch,
             resampled: self.resampled,
+            epoch_base: None,
         }
     }
 }
@@ -511,6 +561,7 @@ fn validate_mix(
 ) -> Result<MixDataset, ConfigError> {
     let mix = d.mix.unwrap_or_default();
     if d.shards.is_some() || d.manifest.is_some() || d.resampled || d.warm {
+        // (and `schedule` belongs to mixes only: checked in validate_dataset)
         return Err(invalid(format!(
             "dataset {name:?}: a mix has no shards, manifest, resampled or warm of its own: set them on its sources"
         )));
@@ -548,10 +599,42 @@ fn validate_mix(
     let weights: Vec<u64> = sources.iter().map(|s| s.1).collect();
     crate::mix::Mix::new(&weights, samples_per_epoch)
         .map_err(|e| invalid(format!("dataset {name:?}: mix: {e}")))?;
+    let mut schedule = Vec::new();
+    let mut last = 0;
+    for entry in d.schedule {
+        if entry.epoch <= last {
+            return Err(invalid(format!(
+                "dataset {name:?}: schedule epochs must increase from 1 (epoch {} after {last})",
+                entry.epoch
+            )));
+        }
+        last = entry.epoch;
+        let names: Vec<&String> = entry.mix.keys().collect();
+        if names != sources.iter().map(|s| &s.0).collect::<Vec<_>>() {
+            return Err(invalid(format!(
+                "dataset {name:?}: schedule entry for epoch {} must weigh the mix's sources, all of them: {}",
+                entry.epoch,
+                sources
+                    .iter()
+                    .map(|s| s.0.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        let w: Vec<u64> = entry.mix.into_values().collect();
+        if w.contains(&0) {
+            return Err(invalid(format!(
+                "dataset {name:?}: schedule weights must be at least 1 (epoch {})",
+                entry.epoch
+            )));
+        }
+        schedule.push((entry.epoch, w));
+    }
     Ok(MixDataset {
         name: name.to_string(),
         sources,
         samples_per_epoch,
+        schedule,
     })
 }
 
@@ -560,6 +643,11 @@ fn validate_dataset(
     d: DatasetSection,
     base_dir: &Path,
 ) -> Result<Dataset, ConfigError> {
+    if !d.schedule.is_empty() {
+        return Err(invalid(format!(
+            "dataset {name:?}: schedule is a mix's curriculum: this dataset has no mix"
+        )));
+    }
     let Some(shards) = d.shards else {
         return Err(invalid(format!(
             "dataset {name:?}: missing field `shards` (or `mix`, for a mix of other datasets)"
@@ -786,6 +874,8 @@ mod tests {
             Some(Path::new("/etc/shardd/gcs-key.json"))
         );
         assert_eq!(full.s3.unwrap().region.as_deref(), Some("us-east-1"));
+        let blend = &full.mixes["blend"];
+        assert_eq!((blend.weights(9), blend.weights(10)), (vec![1, 3], vec![1, 1]));
     }
 
     #[test]

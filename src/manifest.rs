@@ -11,6 +11,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
 use crate::cache::ShardBytes;
+use crate::cache::decompress::Compression;
 use crate::store::{ReadError, Stores, Version};
 use crate::url::ShardUrl;
 
@@ -260,22 +261,23 @@ async fn index_one(
     ))
 }
 
-/// A shard's sample count (a gzipped shard is counted decompressed). Blocking.
+/// A shard's sample count (a gzip or zstd shard, told by its first bytes, is counted
+/// decompressed, streaming from the file). Blocking.
 fn count(mut file: std::fs::File, url: &Arc<str>) -> Result<u64, ManifestError> {
     use std::io::{Read, Seek};
     let err = |e: std::io::Error| shard_error_str(url, e.to_string());
     file.rewind().map_err(err)?;
-    let mut raw = Vec::new();
-    file.read_to_end(&mut raw).map_err(err)?;
-    let plain = if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::MultiGzDecoder::new(&raw[..])
-            .read_to_end(&mut out)
-            .map_err(err)?;
-        out
-    } else {
-        raw
-    };
+    let mut head = Vec::with_capacity(4);
+    (&mut file).take(4).read_to_end(&mut head).map_err(err)?;
+    file.rewind().map_err(err)?;
+    let mut plain = Vec::new();
+    match Compression::detect(&head) {
+        Some(compression) => compression
+            .decoder(std::io::BufReader::new(file))
+            .and_then(|mut d| d.read_to_end(&mut plain)),
+        None => file.read_to_end(&mut plain),
+    }
+    .map_err(err)?;
     let samples = crate::shard::parse(&ShardBytes::heap(plain.into()), url)
         .map_err(|e| shard_error_str(url, e.to_string()))?
         .len() as u64;

@@ -82,6 +82,11 @@ pub struct Shape<'a> {
     pub samples_per_epoch: Option<u64>,
     /// Streams draw pieces of the host's share with replacement (needs `samples_per_epoch`).
     pub resampled: bool,
+    /// With `samples_per_epoch`: where the epoch starts in the host's endless sequence, when
+    /// earlier epochs did not all read `samples_per_epoch` per stream (a mix whose weights
+    /// changed: each source continues where it was). `None`: `epoch × samples_per_epoch ×
+    /// streams`.
+    pub epoch_base: Option<u128>,
 }
 
 impl Shape<'_> {
@@ -93,6 +98,7 @@ impl Shape<'_> {
             share_seed: 0,
             samples_per_epoch: None,
             resampled: false,
+            epoch_base: None,
         }
     }
 }
@@ -336,11 +342,11 @@ fn plan_samples(
             }
             let e = e as u128;
             // Up to 2^64 · 2^64 · 2^64: past u128 for absurd epochs, refused below.
-            (
-                e,
-                epoch.checked_mul(e).and_then(|x| x.checked_mul(streams)),
-                0,
-            )
+            let start = match shape.epoch_base {
+                Some(base) => Some(base),
+                None => epoch.checked_mul(e).and_then(|x| x.checked_mul(streams)),
+            };
+            (e, start, 0)
         }
     };
     // The stream's first sample in the host's endless sequence; its pass must fit a u64.

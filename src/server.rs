@@ -529,7 +529,7 @@ fn plan_dataset(
                 .iter()
                 .map(|s| {
                     Ok(stream::Run {
-                        plan: source_plan(d, s.host, &s.req, s.source)?,
+                        plan: source_plan(d, s.host, &s.req, None)?,
                         from: s.from,
                         to: Some(s.to),
                     })
@@ -572,7 +572,7 @@ fn plan_mix(
     resume_from: Option<&crate::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, plan::PlanError> {
-    let weights: Vec<u64> = m.sources.iter().map(|s| s.1).collect();
+    let weights = m.weights(req.epoch);
     let e = m.samples_per_epoch;
     let mix = crate::mix::Mix::new(&weights, e).expect("the config checked the mix");
     let key = plan::stream_key(&req);
@@ -583,9 +583,15 @@ fn plan_mix(
         .collect();
     use md5::Digest;
     let mut h = md5::Md5::new();
-    for (d, (&quota, weight)) in datasets.iter().zip(mix.quotas().iter().zip(&weights)) {
+    for (i, (d, (&quota, weight))) in datasets
+        .iter()
+        .zip(mix.quotas().iter().zip(&weights))
+        .enumerate()
+    {
         h.update(fingerprint(d, config, &req, Some(quota), None));
         h.update(weight.to_le_bytes());
+        let base = m.epoch_base(i, req.epoch, streams_per_host(config.host, &req));
+        h.update(base.unwrap_or(u128::MAX).to_le_bytes());
     }
     let (lanes, interleave, lens, dropped, remainder) = match resume_from {
         None => {
@@ -595,7 +601,7 @@ fn plan_mix(
                         index: i as u32,
                         quota: mix.quotas()[i],
                     };
-                    let plan = source_plan(datasets[i], config.host, &req, Some(source))?;
+                    let plan = source_plan(datasets[i], config.host, &req, Some((source, m)))?;
                     Ok(vec![stream::Run::whole(plan)])
                 })
                 .collect::<Result<Vec<_>, plan::PlanError>>()?;
@@ -616,7 +622,12 @@ fn plan_mix(
                         .iter()
                         .map(|seg| {
                             Ok(stream::Run {
-                                plan: source_plan(d, seg.host, &seg.req, seg.source)?,
+                                plan: source_plan(
+                                    d,
+                                    seg.host,
+                                    &seg.req,
+                                    seg.source.map(|s| (s, m)),
+                                )?,
                                 from: seg.from,
                                 to: Some(seg.to),
                             })
@@ -656,8 +667,10 @@ fn plan_mix(
             pass: runs.first().map_or(0, |r| r.plan.pass),
         });
         if order.contains(&i) {
+            let next = req.epoch.saturating_add(1);
             let shape = plan::Shape {
-                samples_per_epoch: Some(mix.quotas()[i]),
+                samples_per_epoch: Some(m.quotas(next)[i]),
+                epoch_base: m.epoch_base(i, next, streams_per_host(config.host, &req)),
                 ..d.shape()
             };
             planned.push(PlannedLane {
@@ -679,20 +692,29 @@ fn plan_mix(
     })
 }
 
+fn streams_per_host(host: plan::Topology, req: &StreamRequest) -> u128 {
+    (req.world_size / host.count) as u128 * req.num_workers as u128
+}
+
 /// A base stream's plan of dataset `d`, or of a mix's source (its quota as
-/// `samples_per_epoch`, its shuffle keyed apart from the other sources').
+/// `samples_per_epoch`, starting where the source's earlier epochs left it, its shuffle keyed
+/// apart from the other sources').
 fn source_plan(
     d: &crate::config::Dataset,
     host: plan::Topology,
     req: &StreamRequest,
-    source: Option<crate::elastic::SourceOf>,
+    source: Option<(crate::elastic::SourceOf, &crate::config::MixDataset)>,
 ) -> Result<plan::StreamPlan, plan::PlanError> {
     let mut shape = d.shape();
-    if let Some(s) = source {
+    if let Some((s, m)) = source {
         shape.samples_per_epoch = Some(s.quota);
+        shape.epoch_base = m.epoch_base(s.index as usize, req.epoch, streams_per_host(host, req));
+        if shape.epoch_base.is_none() {
+            return Err(plan::PlanError::EpochTooLarge { epoch: req.epoch });
+        }
     }
     let mut plan = plan::plan_stream(shape, host, req)?;
-    if let Some(s) = source {
+    if let Some((s, _)) = source {
         plan.stream_key = crate::shuffle::key(&[
             crate::shuffle::tag::MIX_SOURCE,
             plan.stream_key,

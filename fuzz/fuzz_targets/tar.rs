@@ -1,4 +1,4 @@
-//! Tar → samples (`shard::parse`), plain and gzip, against a simple reference walk written
+//! Tar → samples (`shard::parse`), plain, gzip and zstd, against a simple reference walk written
 //! here from the rules (tarfile's, as webdataset reads shards through it):
 //! - 512-byte headers; the checksum is the unsigned or the signed sum of the header bytes;
 //!   an all-zero block or the end of the data ends the archive; data is padded to 512;
@@ -15,8 +15,8 @@
 //!
 //! Input: a mode byte, then the shard. Mode bit 0: repair each header's checksum the
 //! reference walk visits (so the fuzzer gets past checksums; bit 1 picks the signed sum);
-//! bytes starting with the gzip magic are decompressed first (at most 16 MiB), as the cache
-//! does.
+//! bytes starting with the gzip or a zstd magic are decompressed first (at most 16 MiB) by
+//! the cache's own decoders (`shardd::cache::decompress`), as the cache does.
 #![no_main]
 
 use std::io::Read;
@@ -26,6 +26,7 @@ use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use regex::Regex;
 use shardd::cache::ShardBytes;
+use shardd::cache::decompress::Compression;
 use shardd::shard::{self, MAX_FIELDS, ShardError};
 
 #[derive(Debug, PartialEq, Clone, Copy)]
@@ -260,10 +261,12 @@ fuzz_target!(|input: &[u8]| {
         3 => Repair::Signed,
         _ => Repair::No,
     };
-    let data = if data.starts_with(&[0x1f, 0x8b]) {
+    let data = if let Some(compression) = Compression::detect(data) {
         let mut plain = Vec::new();
-        let mut gz = flate2::read::MultiGzDecoder::new(data).take(16 << 20);
-        if gz.read_to_end(&mut plain).is_err() {
+        let Ok(decoder) = compression.decoder(data) else {
+            return;
+        };
+        if decoder.take(16 << 20).read_to_end(&mut plain).is_err() {
             return;
         }
         plain

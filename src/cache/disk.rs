@@ -55,12 +55,16 @@ pub struct Meta {
     pub version: Version,
     /// The data file's name inside `entries/`.
     pub data: String,
-    /// Bytes of the data file (a gzipped shard's decompressed size).
+    /// Bytes of the data file (a compressed shard's decompressed size).
     pub size: u64,
     /// CRC-32C of the data file: checked before an entry found at start-up is first served.
     pub crc32c: u32,
     /// Whether the source was gzip-compressed (the data file holds the plain tar).
     pub gzip: bool,
+    /// Whether the source was zstd-compressed (the data file holds the plain tar). Absent
+    /// from records written before zstd shards were read.
+    #[serde(default)]
+    pub zstd: bool,
 }
 
 pub struct Disk {
@@ -348,13 +352,6 @@ pub fn checksums(path: &Path) -> io::Result<u32> {
     }
 }
 
-/// Whether a file starts with the gzip magic bytes (as `tarfile` and webdataset detect it).
-pub fn is_gzip(path: &Path) -> io::Result<bool> {
-    let mut magic = [0u8; 2];
-    let n = File::open(path)?.read(&mut magic)?;
-    Ok(n == 2 && magic == [0x1f, 0x8b])
-}
-
 /// The file name an entry's record has: the URL's MD5 in hex.
 fn key(url: &str) -> String {
     hex::encode(md5::Md5::digest(url.as_bytes()))
@@ -395,6 +392,7 @@ mod tests {
             size,
             crc32c: 0,
             gzip: false,
+            zstd: false,
         }
     }
 

@@ -9,6 +9,7 @@ use futures::future::{BoxFuture, Shared};
 use tokio::task::JoinHandle;
 
 use super::budget::Reservation;
+use super::decompress::Compression;
 use super::disk::{self, META_MAX, Meta};
 use super::{FetchError, Inner, LoadResult, Purpose, Ready, Slot, State};
 use crate::store::{ReadError, Version};
@@ -205,7 +206,7 @@ impl Inner {
     }
 
     /// Reads a shard from its source into a new entry: HEAD (or stat), reserve, read,
-    /// verify, decompress if gzipped, commit. A checksum mismatch, or a source that changed
+    /// verify, decompress if compressed, commit. A checksum mismatch, or a source that changed
     /// mid-read, is tried once more.
     pub(super) async fn fetch(
         self: &Arc<Self>,
@@ -274,8 +275,9 @@ impl Inner {
         }
     }
 
-    /// Decompresses a completed, verified read if it is gzip, and commits it; `crc` is the
-    /// read's CRC-32C (computed as it was written). Blocking.
+    /// Decompresses a completed, verified read if it is compressed (gzip or zstd, told by its
+    /// first bytes), and commits it; `crc` is the read's CRC-32C (computed as it was
+    /// written). Blocking.
     pub(super) fn finish(
         self: &Arc<Self>,
         shard: &ShardUrl,
@@ -285,10 +287,11 @@ impl Inner {
         mut reservation: Reservation,
         purpose: Purpose,
     ) -> Result<Ready, FetchError> {
-        let gzip = disk::is_gzip(temp.path())
+        let compression = Compression::of_file(temp.path())
             .map_err(FetchError::io(shard, "reading back the download"))?;
-        let (data, size, crc) = if gzip {
-            let (plain, size, crc) = self.gunzip(shard, &temp, &mut reservation, purpose)?;
+        let (data, size, crc) = if let Some(compression) = compression {
+            let (plain, size, crc) =
+                self.decompress(shard, compression, &temp, &mut reservation, purpose)?;
             drop(temp);
             reservation.shrink_to(size + META_MAX);
             (plain, size, crc)
@@ -302,7 +305,8 @@ impl Inner {
             data: String::new(),
             size,
             crc32c: crc,
-            gzip,
+            gzip: compression == Some(Compression::Gzip),
+            zstd: compression == Some(Compression::Zstd),
         };
         let meta = self
             .disk
@@ -320,30 +324,36 @@ impl Inner {
         Ok(Ready::new(&self.disk, meta, charge, true, now, last_used))
     }
 
-    /// Decompresses a gzipped download into a second cache file, reserving its space as it
-    /// grows under the load's purpose (what it may evict, whether it waits), so a gzip bomb
-    /// stops at the budget. Returns the file, its size and CRC-32C. Blocking.
-    pub(super) fn gunzip(
+    /// Decompresses a compressed download into a second cache file, streaming, reserving its
+    /// space as it grows under the load's purpose (what it may evict, whether it waits), so
+    /// a gzip or zstd bomb stops at the budget. Returns the file, its size and CRC-32C.
+    /// Blocking.
+    pub(super) fn decompress(
         self: &Arc<Self>,
         shard: &ShardUrl,
+        compression: Compression,
         compressed: &disk::TempFile,
         reservation: &mut Reservation,
         purpose: Purpose,
     ) -> Result<(disk::TempFile, u64, u32), FetchError> {
         use std::io::{Read, Write};
         let io = |what| FetchError::io(shard, what);
+        let decoding = match compression {
+            Compression::Gzip => "decompressing the gzip shard",
+            Compression::Zstd => "decompressing the zstd shard",
+        };
         let (plain, file) = self.disk.temp_file().map_err(io("creating a cache file"))?;
         let input =
             std::fs::File::open(compressed.path()).map_err(io("reading back the download"))?;
-        let mut decoder = flate2::read::MultiGzDecoder::new(std::io::BufReader::new(input));
+        let mut decoder = compression
+            .decoder(std::io::BufReader::new(input))
+            .map_err(io(decoding))?;
         let mut out = std::io::BufWriter::new(file);
         let base = reservation.bytes;
         let (mut size, mut crc) = (0u64, 0u32);
         let mut buf = vec![0u8; 256 << 10];
         loop {
-            let n = decoder
-                .read(&mut buf)
-                .map_err(io("decompressing the gzip shard"))?;
+            let n = decoder.read(&mut buf).map_err(io(decoding))?;
             if n == 0 {
                 break;
             }
@@ -374,7 +384,7 @@ impl Inner {
             return Ok(());
         }
         if target > max {
-            return Err(FetchError::GzipTooLarge {
+            return Err(FetchError::DecompressedTooLarge {
                 url: shard.to_string(),
                 limit: max,
                 free: max.saturating_sub(base),

@@ -31,12 +31,14 @@
 //! | `load.rs` | single flight, rechecking an entry, fetch → verify → decompress → commit |
 //! | `budget.rs` | reservations against `cache.max_size`, eviction to make room |
 //! | `pin.rs` | pins and mappings that keep an entry while a stream reads it |
+//! | `decompress.rs` | gzip and zstd shards: detection by content, streaming decoders |
 //! | `disk.rs` | the directory: layout, lock, atomic commits, checksums |
 //! | `evict.rs` | whom to evict: farthest next use first |
 //! | `bytes.rs` | [`ShardBytes`]: shard bytes, and whether they may be spliced |
 
 mod budget;
 pub mod bytes;
+pub mod decompress;
 pub mod disk;
 pub mod evict;
 mod load;
@@ -67,7 +69,7 @@ pub enum FetchError {
     #[error(
         "{url}: decompresses to more than the cache can hold (cache.max_size {limit} bytes; {free} were free for it)"
     )]
-    GzipTooLarge { url: String, limit: u64, free: u64 },
+    DecompressedTooLarge { url: String, limit: u64, free: u64 },
     #[error(
         "cache full: {url} needs {need} bytes but cache.max_size is {limit} bytes, of which {pinned} are pinned by open streams and {reserved} reserved by loads in progress; waited {waited:?} (cache.space_timeout)"
     )]

@@ -316,6 +316,136 @@ async fn gzip_is_stored_decompressed_within_the_budget() {
     assert_eq!(small.metrics.cache_bytes.get(), 0);
 }
 
+/// Runs the real `zstd` tool (or `pzstd`) over `input` with `args`; returns its output.
+fn zstd_cli(program: &str, args: &[&str], input: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {program} (apt-get install zstd): {e}"));
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_vec();
+    let feed = std::thread::spawn(move || stdin.write_all(&input));
+    let out = child.wait_with_output().unwrap();
+    feed.join().unwrap().unwrap();
+    assert!(out.status.success(), "{program} {args:?} failed");
+    out.stdout
+}
+
+/// zstd shards as the `zstd` tool writes them: one frame, several frames (two files
+/// concatenated), and `pzstd`'s frames each behind a skippable frame; each is stored
+/// decompressed, byte for byte, within the budget, and recorded as zstd.
+#[tokio::test]
+async fn zstd_is_stored_decompressed_within_the_budget() {
+    let f = Fixture::new(3, 10);
+    let plain = [content(3, 400_000), vec![5u8; 300_000]].concat();
+    let one = zstd_cli("zstd", &["-q", "-c", "-3"], &plain);
+    assert!(one.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]));
+    let two = [
+        zstd_cli("zstd", &["-q", "-c"], &plain[..123_457]),
+        zstd_cli("zstd", &["-q", "-c", "-19"], &plain[123_457..]),
+    ]
+    .concat();
+    let skippable = zstd_cli("pzstd", &["-q", "-c", "-p", "2"], &plain);
+    assert!(skippable.starts_with(&[0x50, 0x2a, 0x4d, 0x18]));
+    for (i, z) in [&one, &two, &skippable].into_iter().enumerate() {
+        std::fs::write(f.src.join(format!("s{i}.tar")), z).unwrap();
+    }
+    let max = 2 << 20;
+    let cache = f.open(max, HOUR);
+    for i in 0..3 {
+        assert!(
+            cache.get(&f.shard(i)).await.unwrap()[..] == plain[..],
+            "shard {i}"
+        );
+        assert!(f.bytes_on_disk() <= max);
+    }
+    let records: Vec<Meta> = std::fs::read_dir(f.cache_dir.join("entries"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "meta"))
+        .map(|p| serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap())
+        .collect();
+    assert!(!records.is_empty());
+    for m in records {
+        assert!(m.zstd && !m.gzip && m.size == plain.len() as u64, "{m:?}");
+    }
+}
+
+/// A zstd bomb (4 MiB of zeros in a few hundred bytes) stops at a 1 MiB budget, as a gzip
+/// one does, and leaves nothing behind.
+#[tokio::test]
+async fn a_zstd_bomb_stops_at_the_budget() {
+    let f = Fixture::new(1, 10);
+    let bomb = zstd_cli("zstd", &["-q", "-c", "-19"], &vec![0u8; 4 << 20]);
+    assert!(bomb.len() < 4096, "{}", bomb.len());
+    std::fs::write(f.src.join("s0.tar"), &bomb).unwrap();
+    let cache = f.open(1 << 20, HOUR);
+    let err = cache.get(&f.shard(0)).await.unwrap_err().to_string();
+    assert!(
+        err.starts_with(&format!(
+            "{}: decompresses to more than the cache can hold (cache.max_size 1048576 bytes; ",
+            f.shard(0)
+        )),
+        "{err}"
+    );
+    assert_eq!(f.tmp_files(), 0);
+    assert_eq!(f.metrics.cache_bytes.get(), 0);
+}
+
+/// Truncated and corrupt zstd, and a frame whose window is over the limit: each an error
+/// naming the shard that says what is wrong, nothing left behind, and the other shards
+/// still served.
+#[tokio::test]
+async fn bad_zstd_is_an_error_naming_the_shard() {
+    let f = Fixture::new(4, 5000);
+    let plain = content(9, 300_000);
+    let good = zstd_cli("zstd", &["-q", "-c"], &plain);
+    std::fs::write(f.src.join("s0.tar"), &good[..good.len() / 2]).unwrap();
+    let mut corrupt = good.clone();
+    for b in &mut corrupt[good.len() / 3..good.len() / 3 + 64] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(f.src.join("s1.tar"), &corrupt).unwrap();
+    // `--long=28` on input of unknown size: the frame asks for a 256 MiB window.
+    let wide = zstd_cli("zstd", &["-q", "-c", "--long=28"], &plain);
+    std::fs::write(f.src.join("s2.tar"), &wide).unwrap();
+    let cache = f.open(16 << 20, HOUR);
+    let err = |i| {
+        let cache = cache.clone();
+        let shard = f.shard(i);
+        async move { cache.get(&shard).await.unwrap_err().to_string() }
+    };
+    let zstd = |i| format!("{}: decompressing the zstd shard: ", f.shard(i));
+    assert_eq!(
+        err(0).await,
+        zstd(0) + "truncated: the data ends inside a zstd frame"
+    );
+    let corrupted = err(1).await;
+    assert!(
+        corrupted.starts_with(&(zstd(1) + "corrupt zstd data (")),
+        "{corrupted}"
+    );
+    assert_eq!(
+        err(2).await,
+        zstd(2)
+            + "a zstd frame needs a window larger than 128 MiB, the most shardd decodes (as the zstd tool without --memory): compress with a smaller one (zstd --long=N with N <= 27)"
+    );
+    assert_eq!(f.tmp_files(), 0);
+    assert_eq!(f.metrics.cache_bytes.get(), 0);
+    assert!(cache.get(&f.shard(3)).await.unwrap()[..] == content(3, 5000)[..]);
+    // `--long=27` is within the limit.
+    std::fs::write(
+        f.src.join("s2.tar"),
+        zstd_cli("zstd", &["-q", "-c", "--long=27"], &plain),
+    )
+    .unwrap();
+    assert!(cache.get(&f.shard(2)).await.unwrap()[..] == plain[..]);
+}
+
 /// A load started while the runtime shuts down: the runtime drops the new task inside
 /// `spawn`, and the task's guard takes the state lock, so the load must not be spawned
 /// under that lock. The caller gets an error instead of a deadlock.

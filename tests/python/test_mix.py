@@ -123,7 +123,14 @@ def test_a_mixed_stream_resumes_exactly_and_counts_per_source(make_daemon, mix_c
     ('[datasets.plain]\nshards = "/nonexistent/x.tar"\n'
      '[datasets.bad]\nmix = { web = 3, plain = 1 }\nsamples_per_epoch = 5\n',
      'mix source "plain" needs a manifest'),
-], ids=["unknown", "zero-weight", "no-length", "one-source", "no-manifest"])
+    ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
+     'schedule = [{ epoch = 2, mix = { web = 1 } }]\n',
+     "schedule entry for epoch 2 must weigh the mix's sources, all of them: books, web"),
+    ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
+     'schedule = [{ epoch = 2, mix = { web = 1, books = 1 } }, { epoch = 2, mix = { web = 1, books = 2 } }]\n',
+     "schedule epochs must increase from 1 (epoch 2 after 2)"),
+], ids=["unknown", "zero-weight", "no-length", "one-source", "no-manifest", "schedule-sources",
+        "schedule-order"])
 def test_bad_mixes_are_config_errors(mix_config, tmp_path, section, message):
     config = tmp_path / "c.toml"
     config.write_text(mix_config + section)
@@ -182,3 +189,28 @@ def test_a_mix_resumes_through_the_stateful_dataloader(make_daemon, mix_config):
     again = loader()
     again.load_state_dict(state)
     assert head + list(again) == full
+
+
+def test_a_curriculum_changes_the_weights_and_each_source_continues(make_daemon, mix_config,
+                                                                    train_paths):
+    """`schedule = [{ epoch = 2, mix = {...} }]`: from epoch 2 the quotas follow the new
+    weights, and each source goes on from where epochs 0-1 left it in its sequence (books,
+    read faster from epoch 2, still reads every sample of its first pass once before any
+    twice)."""
+    d = make_daemon(mix_config + "schedule = [{ epoch = 2, mix = { books = 1, web = 1 } }]\n")
+    books = len(reference_samples(train_paths[8:]))
+    chunks = []
+    for epoch in range(4):
+        for worker in range(2):
+            samples, stream = read(d, epoch=epoch, worker=worker, num_workers=2)
+            quotas = {s["dataset"]: s["samples"] for s in stream.start_fields["sources"]}
+            assert quotas == ({"web": 75, "books": 25} if epoch < 2 else {"web": 50, "books": 50})
+            chunks.append([s["__key__"] for s in samples if s["__source__"] == "books"])
+    flat = [k for c in chunks for k in c]
+    assert len(flat) == 2 * 25 * 2 + 2 * 50 * 2 > books
+    # Read back to back, the chunks are samples 0..len(flat) of the source's endless sequence
+    # of passes: every sample `full` or `full + 1` times, `extra` of them once more. A jump
+    # at the weight change would leave part of a pass unread and read others more often.
+    full, extra = divmod(len(flat), books)
+    times = collections.Counter(collections.Counter(flat).values())
+    assert times == ({full: books - extra, full + 1: extra} if extra else {full: books}), times
