@@ -875,7 +875,10 @@ mod tests {
         );
         assert_eq!(full.s3.unwrap().region.as_deref(), Some("us-east-1"));
         let blend = &full.mixes["blend"];
-        assert_eq!((blend.weights(9), blend.weights(10)), (vec![1, 3], vec![1, 1]));
+        assert_eq!(
+            (blend.weights(9), blend.weights(10)),
+            (vec![1, 3], vec![1, 1])
+        );
     }
 
     #[test]
