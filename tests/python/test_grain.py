@@ -245,3 +245,17 @@ def test_example_killed_mid_epoch_resumes_into_the_same_run(served, tmp_path):
     saved = sorted((tmp_path / "killed" / "ckpt").glob("*/data/process_0-of-1.json"))
     state = json.loads(saved[-1].read_text())
     assert state["shardd"] == 1 and state["dataset"] == "tiny" and len(state["positions"]) == 2
+
+
+def test_errors_come_from_next_in_their_place(served, tmp_path):
+    it = iter(sg.ShardDataset("nope", socket=served.socket, rank=0, world_size=1, num_streams=2))
+    with pytest.raises(shardd.DaemonError, match='unknown dataset "nope"') as e:
+        next(it)
+    assert e.value.code == "unknown_dataset"
+    it.close()
+    it = iter(sg.ShardDataset("exact", socket=tmp_path / "none.sock", rank=0, world_size=1,
+                              reconnect_timeout=0))
+    with pytest.raises(shardd.UnavailableError, match=r"no shardd daemon at .*none.sock .*: "
+                       r"start `shardd serve`, or pass ShardDataset\(socket=\.\.\.\)"):
+        next(it)
+    it.close()

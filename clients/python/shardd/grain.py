@@ -205,7 +205,8 @@ class _Reader:
         if item is _END:
             return _END
         if isinstance(item, BaseException):
-            self._chunks.appendleft(item)  # raised again on the next call
+            with self._cond:
+                self._chunks.appendleft(item)  # raised again on the next call
             raise item
         self._chunk, self._i = item, 1
         self.position += 1
@@ -336,15 +337,11 @@ class ShardDatasetIterator(grain.DatasetIterator):
                     state["fingerprints"])
 
     def close(self):
-        if not self._closed:
+        """Closes the streams (Grain's ``__del__`` calls this too); the iterator then refuses
+        to go on."""
+        if not self._closed and getattr(self, "_readers", None) is not None:
             self._stop()
         super().close()
-
-    def __del__(self):
-        try:
-            self._stop()
-        except Exception:
-            pass
 
     def __str__(self):
         return f"ShardDatasetIterator({self._ds})"
