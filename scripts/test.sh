@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs everything the tests need, then runs every test: Rust unit tests, then the Python
-# end-to-end tests against the built binary, fake-gcs-server, webdataset and promtool.
+# Installs everything the tests need, builds the binary and the wheel, then runs every test:
+# Rust unit tests, then the Python end-to-end tests against the built binary, the wheel,
+# fake-gcs-server, webdataset, torch, JAX and Grain, and promtool.
 # Needs only the Rust toolchain and Python 3 to start with; idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,15 @@ echo "== python venv"
 echo "== build"
 cargo build --locked --bins
 
+echo "== wheel"
+# The daemon and the Python package in one wheel (pyproject.toml, maturin; docs/install.md).
+# Its release build goes to target/release with the flags of `cargo build --release --locked
+# --bins`, so tests/soak/run.sh finds it done; packaging takes seconds.
+rm -rf target/dist
+MATURIN_PEP517_ARGS="--compatibility manylinux_2_34" PATH="$PWD/.venv/bin:$PATH" \
+    .venv/bin/pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w target/dist .
+wheel=$(echo "$PWD"/target/dist/shardd-*.whl)
+
 echo "== rust tests"
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --locked
@@ -36,4 +46,4 @@ else
 fi
 
 echo "== python tests"
-SHARDD_BIN="$PWD/target/debug/shardd" .venv/bin/python -m pytest tests/python -q
+SHARDD_BIN="$PWD/target/debug/shardd" SHARDD_WHEEL="$wheel" .venv/bin/python -m pytest tests/python -q

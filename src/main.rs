@@ -11,6 +11,7 @@ mod index;
 mod malloc;
 mod plan_report;
 mod progress;
+mod units;
 mod warm;
 
 #[derive(Parser)]
@@ -140,6 +141,12 @@ enum Command {
         #[arg(long, default_value = "http://127.0.0.1:9464")]
         url: String,
     },
+    /// Write the systemd units built into this binary (shardd.service, shardd.socket), with
+    /// ExecStart running this binary.
+    InstallUnits {
+        #[arg(long, default_value = units::DEFAULT_DIR)]
+        dir: PathBuf,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -239,6 +246,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             runtime.block_on(plan_report::run(&config, args))
         }
+        Command::InstallUnits { dir } => units::install(&dir),
     }
 }
 

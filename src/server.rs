@@ -763,12 +763,18 @@ async fn handshake(
         )
     })?;
     if !(protocol::OLDEST_VERSION..=protocol::VERSION).contains(&version) {
+        let upgrade = if version > protocol::VERSION {
+            "upgrade the daemon"
+        } else {
+            "upgrade the client"
+        };
         return Err(refuse(
             "unsupported_version",
             format!(
-                "client speaks protocol {version}; this daemon speaks {} to {}",
+                "client speaks protocol {version}; this daemon speaks {} to {} (shardd {}): {upgrade}",
                 protocol::OLDEST_VERSION,
-                protocol::VERSION
+                protocol::VERSION,
+                env!("CARGO_PKG_VERSION"),
             ),
         ));
     }
@@ -783,6 +789,18 @@ async fn handshake(
     }
     let req: Request = serde_json::from_slice(&body)
         .map_err(|e| refuse("bad_request", format!("invalid request: {e}")))?;
+    if req.op == "plan" && version < 3 {
+        return Err(refuse(
+            "bad_request",
+            format!("op \"plan\" needs protocol 3; the client said it speaks {version}"),
+        ));
+    }
+    if req.resume_from.is_some() && version < 4 {
+        return Err(refuse(
+            "bad_request",
+            format!("resume_from needs protocol 4; the client said it speaks {version}"),
+        ));
+    }
     if req.op != "stream" && req.op != "plan" {
         return Err(refuse(
             "bad_request",

@@ -468,3 +468,22 @@ def error_frame(reply):
     assert kind == 5, f"kind {kind}"
     assert len(reply) == 13 + length, "nothing after the ERROR frame"
     return json.loads(reply[13:])
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    """The shardd wheel (daemon and Python package): $SHARDD_WHEEL, which scripts/test.sh
+    builds once, else built here from the repository with `pip wheel .` (maturin; the release
+    build of target/release)."""
+    given = os.environ.get("SHARDD_WHEEL")
+    if given:
+        return pathlib.Path(given)
+    out = tmp_path_factory.mktemp("wheel")
+    bindir = os.path.dirname(sys.executable)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w",
+         str(out), str(ROOT)], check=True,
+        env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}",
+             "MATURIN_PEP517_ARGS": "--compatibility manylinux_2_34"})
+    (path,) = out.glob("shardd-*.whl")
+    return path

@@ -114,4 +114,8 @@ def test_gke_manifests_are_well_formed():
     assert mon["selector"]["matchLabels"] == ds["selector"]["matchLabels"]
     assert mon["endpoints"][0]["port"] == c["ports"][0]["name"]
     dockerfile = (gke / "Dockerfile").read_text()
-    assert dockerfile.count("FROM ") == 2 and "USER 10001" in dockerfile
+    assert dockerfile.count("FROM ") == 3 and "USER 10001" in dockerfile
+    # The image runs the binary of the wheel built from this repository (pyproject.toml).
+    assert "pip wheel --no-build-isolation --no-deps -w /dist ." in dockerfile
+    assert "FROM scratch AS wheel" in dockerfile
+    assert "COPY --from=build /shardd /usr/local/bin/shardd" in dockerfile

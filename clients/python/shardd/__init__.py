@@ -12,6 +12,7 @@ from .client import (
     Stream,
     StreamTimeoutError,
     UnavailableError,
+    VersionError,
 )
 
 __all__ = [
@@ -26,5 +27,8 @@ __all__ = [
     "PlanMismatch",
     "PlanChangedError",
     "ForkedStreamError",
+    "VersionError",
 ]
+# The one version: the crate's (Cargo.toml). tests/python/test_wheel.py checks that this, the
+# wheel's metadata, `shardd --version` and clients/python/pyproject.toml agree.
 __version__ = "0.1.0"

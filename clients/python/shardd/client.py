@@ -27,6 +27,15 @@ import weakref
 MAGIC = b"SHARDD"
 VERSION = 4
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
+# The protocol version each feature a request can use first appeared in. A request is sent
+# with the highest version among the features it uses (a daemon serves every version up to
+# its own), so an older daemon still serves what it can, and a daemon too old for a feature is
+# named as such (``VersionError``) instead of failing with a bare refusal.
+FEATURES = {
+    "start": (2, "the request field start (stream positions, exact resume)"),
+    "plan": (3, 'op "plan" (a stream\'s length and plan fingerprint without opening it)'),
+    "resume_from": (4, "the request field resume_from (an elastic resume)"),
+}
 
 KIND_REQUEST = 1
 KIND_START = 2
@@ -109,6 +118,15 @@ class StreamTimeoutError(Error, TimeoutError):
 
     def __init__(self, message):
         super().__init__(message)
+
+
+class VersionError(Error):
+    """The daemon speaks an older protocol than a feature the request uses (``feature``,
+    ``needed``): upgrade the daemon. ``daemon`` is the daemon's protocol version."""
+
+    def __init__(self, message, daemon=None, needed=None, feature=None):
+        super().__init__(message)
+        self.daemon, self.needed, self.feature = daemon, needed, feature
 
 
 class PlanMismatch(Error, RuntimeError):
@@ -225,6 +243,19 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _needs(request):
+    """(the protocol version to send with ``request``, the feature that needs it): the lowest
+    version that has every feature the request uses."""
+    version, feature = 1, "a stream"
+    if request.get("start") is not None:
+        version, feature = FEATURES["start"]
+    if request["op"] == "plan":
+        version, feature = FEATURES["plan"]
+    if request.get("resume_from") is not None:
+        version, feature = FEATURES["resume_from"]
+    return version, feature
 
 
 def _origin(o):
@@ -408,11 +439,20 @@ class Stream:
             raise UnavailableError(f"no shardd daemon at {self._path} ({why})",
                                    retry=e.errno in _RETRY_CONNECT, reason=why) from e
         body = json.dumps(self._request).encode()
-        sock.sendall(PREAMBLE + _HEADER.pack(len(body), KIND_REQUEST) + body)
+        version, feature = _needs(self._request)
+        sock.sendall(MAGIC + struct.pack("<H", version) + _HEADER.pack(len(body), KIND_REQUEST)
+                     + body)
         preamble = self._take(len(PREAMBLE))
         if preamble[:6] != MAGIC:
             raise ProtocolError(f"{self._path} is not a shardd socket")
         self.peer_version = struct.unpack_from("<H", preamble, 6)[0]
+        if self.peer_version < version:
+            from . import __version__
+            raise VersionError(
+                f"the shardd daemon at {self._path} speaks protocol {self.peer_version}, too old "
+                f"for {feature}, which needs protocol {version} (this client, shardd "
+                f"{__version__}, speaks {VERSION}): upgrade the daemon",
+                self.peer_version, version, feature)
         kind, length = self._frame_header()
         if kind != KIND_START:
             self._unexpected(kind, length)

@@ -1,0 +1,58 @@
+"""The one wheel: built from the repository root (`pip wheel .`, maturin), installed into a
+fresh virtualenv with nothing else, it carries the daemon (`shardd` on the venv's PATH) and the
+Python package (client, shardd.torch, shardd.grain), all of one version."""
+
+import json
+import subprocess
+import sys
+import tomllib
+import zipfile
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    subprocess.run([path / "bin" / "python", "-m", "pip", "install", "-q", "--no-index",
+                    "--no-deps", "--disable-pip-version-check", str(wheel)], check=True)
+    return path
+
+
+def run(*argv, **kw):
+    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, **kw)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_wheel_is_manylinux_and_holds_the_daemon_and_the_package(wheel):
+    version = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
+    assert wheel.name == f"shardd-{version}-py3-none-manylinux_2_34_x86_64.whl"
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = {f"shardd/{m}.py" for m in ("__init__", "client", "torch", "grain")}
+    assert package | {f"shardd-{version}.data/scripts/shardd"} <= names
+    # The package's files are those of clients/python, byte for byte.
+    with zipfile.ZipFile(wheel) as z:
+        for name in package:
+            assert z.read(name) == (ROOT / "clients/python" / name).read_bytes(), name
+
+
+def test_installed_binary_runs_the_demo_and_versions_agree(venv, tmp_path):
+    version = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
+    shardd = venv / "bin" / "shardd"
+    assert run(shardd, "--version") == f"shardd {version}\n"
+    probe = ("import importlib.metadata, json, shardd, shardd.client; print(json.dumps("
+             "[shardd.__version__, importlib.metadata.version('shardd'), shardd.__file__]))")
+    package, metadata, where = json.loads(run(venv / "bin" / "python", "-c", probe))
+    assert package == metadata == version
+    assert where.startswith(str(venv))  # the wheel's copy, not the repository's
+    demo = run(shardd, "demo", timeout=300)
+    assert "every sample exactly once" in demo, demo
+    # The units it installs run the binary it was installed as.
+    run(shardd, "install-units", "--dir", tmp_path)
+    service = (tmp_path / "shardd.service").read_text()
+    assert f"\nExecStart={shardd.resolve()} serve --config /etc/shardd/config.toml\n" in service
+    assert (tmp_path / "shardd.socket").read_text() == (ROOT / "deploy/systemd/shardd.socket").read_text()
