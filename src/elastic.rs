@@ -239,36 +239,13 @@ pub fn split_mix(
         None => {
             let mix = crate::mix::Mix::new(weights, e)
                 .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
-            let lanes = mix
-                .quotas()
-                .iter()
-                .enumerate()
+            let lanes = (mix.quotas().iter().enumerate())
                 .map(|(i, &quota)| {
-                    (0..origin.hosts)
-                        .map(|h| {
-                            (0..ranks * origin.num_workers)
-                                .map(|s| {
-                                    vec![Segment {
-                                        host: Topology {
-                                            index: h,
-                                            count: origin.hosts,
-                                        },
-                                        req: StreamRequest {
-                                            rank: h * ranks + s / origin.num_workers,
-                                            worker: s % origin.num_workers,
-                                            ..old_req
-                                        },
-                                        from: 0,
-                                        to: quota,
-                                        source: Some(SourceOf {
-                                            index: i as u32,
-                                            quota,
-                                        }),
-                                    }]
-                                })
-                                .collect()
-                        })
-                        .collect()
+                    let source = SourceOf {
+                        index: i as u32,
+                        quota,
+                    };
+                    base_lanes(origin, &old_req, quota, Some(source))
                 })
                 .collect();
             let lens = mix.quotas().iter().map(|&q| vec![q; k]).collect();
@@ -389,29 +366,7 @@ fn streams(
         None => {
             let length = plan::stream_samples(counts, shape, origin.hosts, &old_req)
                 .ok_or(PlanError::NoSamples)?;
-            let ranks = origin.world_size / origin.hosts;
-            let lanes = (0..origin.hosts)
-                .map(|h| {
-                    (0..ranks * origin.num_workers)
-                        .map(|s| {
-                            vec![Segment {
-                                host: Topology {
-                                    index: h,
-                                    count: origin.hosts,
-                                },
-                                req: StreamRequest {
-                                    rank: h * ranks + s / origin.num_workers,
-                                    worker: s % origin.num_workers,
-                                    ..old_req
-                                },
-                                from: 0,
-                                to: length,
-                                source: None,
-                            }]
-                        })
-                        .collect()
-                })
-                .collect();
+            let lanes = base_lanes(origin, &old_req, length, None);
             (lanes, vec![length; origin.num_workers as usize])
         }
     };
@@ -423,6 +378,38 @@ fn streams(
         }
     }
     Ok((lanes, length))
+}
+
+/// The old topology's base streams, `[host][stream]`, each one whole segment of `length`.
+fn base_lanes(
+    origin: &Origin,
+    old_req: &StreamRequest,
+    length: u64,
+    source: Option<SourceOf>,
+) -> Lanes {
+    let ranks = origin.world_size / origin.hosts;
+    (0..origin.hosts)
+        .map(|h| {
+            (0..ranks * origin.num_workers)
+                .map(|s| {
+                    vec![Segment {
+                        host: Topology {
+                            index: h,
+                            count: origin.hosts,
+                        },
+                        req: StreamRequest {
+                            rank: h * ranks + s / origin.num_workers,
+                            worker: s % origin.num_workers,
+                            ..*old_req
+                        },
+                        from: 0,
+                        to: length,
+                        source,
+                    }]
+                })
+                .collect()
+        })
+        .collect()
 }
 
 fn check(o: &Origin) -> Result<(), PlanError> {

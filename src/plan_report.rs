@@ -241,6 +241,38 @@ fn threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// `f(0..n)` on `threads` threads (each takes the next index), in index order.
+fn on_threads<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let next = AtomicUsize::new(0);
+    let done: Vec<Vec<(usize, T)>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.clamp(1, n.max(1)))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= n {
+                            return mine;
+                        }
+                        mine.push((i, f(i)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("planning does not panic"))
+            .collect()
+    });
+    let mut out: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    for (i, r) in done.into_iter().flatten() {
+        out[i] = Some(r);
+    }
+    out.into_iter()
+        .map(|r| r.expect("every index was run"))
+        .collect()
+}
+
 /// A host's report and the samples of one of its streams, or why it cannot be planned.
 type HostResult = anyhow::Result<(HostReport, Option<u64>)>;
 
@@ -256,36 +288,14 @@ pub fn report(
         .hosts
         .checked_mul(args.ranks)
         .context("--hosts × --ranks is past 2^32")?;
-    let next = AtomicUsize::new(0);
     let hosts = args.hosts as usize;
-    let mut per_host: Vec<Option<HostResult>> = (0..hosts).map(|_| None).collect();
-    let results: Vec<Vec<(usize, HostResult)>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads.clamp(1, hosts.max(1)))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let h = next.fetch_add(1, Ordering::Relaxed);
-                        if h >= hosts {
-                            return mine;
-                        }
-                        mine.push((h, one_host(shape, sizes, args, world, h as u32)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("planning does not panic"))
-            .collect()
+    let per_host = on_threads(hosts, threads, |h| {
+        one_host(shape, sizes, args, world, h as u32)
     });
-    for (h, r) in results.into_iter().flatten() {
-        per_host[h] = Some(r);
-    }
     let mut reports = Vec::with_capacity(hosts);
     let mut per_stream = None;
     for r in per_host {
-        let (report, stream_samples) = r.expect("every host was planned")?;
+        let (report, stream_samples) = r?;
         per_stream = per_stream.or(stream_samples);
         reports.push(report);
     }
@@ -365,33 +375,9 @@ pub fn resize(
         ..old_req
     };
     let split = shardd::elastic::split(shape, args.hosts, &req, &origin)?;
-    let next = AtomicUsize::new(0);
-    let hosts = args.hosts as usize;
-    let mut per_host: Vec<Option<HostFetch>> = vec![None; hosts];
-    let results: Vec<Vec<(usize, HostFetch)>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads().clamp(1, hosts.max(1)))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let h = next.fetch_add(1, Ordering::Relaxed);
-                        if h >= hosts {
-                            return mine;
-                        }
-                        mine.push((h, host_fetch(shape, sizes, window, &split, from, h)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("planning does not panic"))
-            .collect()
+    let per_host = on_threads(args.hosts as usize, threads(), |h| {
+        host_fetch(shape, sizes, window, &split, from, h)
     });
-    for (h, r) in results.into_iter().flatten() {
-        per_host[h] = Some(r);
-    }
-    let per_host: Vec<HostFetch> = per_host.into_iter().map(|r| r.expect("planned")).collect();
     let fraction = |part: u64, whole: u64| {
         if whole == 0 {
             0.0

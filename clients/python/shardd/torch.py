@@ -604,20 +604,7 @@ def resume_epoch(loader_state):
     resumes into an empty rest of that epoch, so the saved epoch is right there too. For a
     ``ShardDataset.state_dict()``: the saved epoch, or the next one if its stream had ended.
     None when the state holds no shardd stream."""
-    found = []
-
-    def walk(x):
-        if isinstance(x, dict):
-            if x.get("shardd") == STATE_VERSION and "epoch" in x and "position" in x:
-                found.append(x)
-                return
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(loader_state)
+    found = _stream_states(loader_state)
     if not found:
         return None
     epoch = max(s["epoch"] for s in found)
