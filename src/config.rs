@@ -633,6 +633,12 @@ fn validate_mix(
                 entry.epoch
             )));
         }
+        crate::mix::Mix::new(&w, samples_per_epoch).map_err(|e| {
+            invalid(format!(
+                "dataset {name:?}: schedule entry for epoch {}: {e}",
+                entry.epoch
+            ))
+        })?;
         schedule.push((entry.epoch, w));
     }
     Ok(MixDataset {
