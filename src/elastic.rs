@@ -235,7 +235,7 @@ pub fn split_mix(
     let k = origin.num_workers as usize;
     let ranks = origin.world_size / origin.hosts;
     // Per source: the old streams' lanes, and each old worker's length of it.
-    let (lanes, lens, base): (Vec<Lanes>, Vec<Vec<u64>>, bool) = match &origin.from {
+    let (lanes, lens, base_mix): (Vec<Lanes>, Vec<Vec<u64>>, _) = match &origin.from {
         None => {
             let mix = crate::mix::Mix::new(weights, e)
                 .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
@@ -249,12 +249,12 @@ pub fn split_mix(
                 })
                 .collect();
             let lens = mix.quotas().iter().map(|&q| vec![q; k]).collect();
-            (lanes, lens, true)
+            (lanes, lens, Some(mix))
         }
         Some(earlier) => {
             let prev = split_mix(weights, e, origin.hosts, &old_req, earlier)?;
             let lens = prev.iter().map(|s| s.lengths.clone()).collect();
-            (prev.into_iter().map(|s| s.hosts).collect(), lens, false)
+            (prev.into_iter().map(|s| s.hosts).collect(), lens, None)
         }
     };
     for (w, &p) in origin.positions.iter().enumerate() {
@@ -265,6 +265,14 @@ pub fn split_mix(
             )));
         }
     }
+    // Each old worker's interleave (the same on every rank): the mix's own order at the
+    // base, else the order over what an earlier hop left it.
+    let orders: Vec<Option<(crate::mix::Mix, Vec<usize>)>> = (0..k)
+        .map(|w| match &base_mix {
+            Some(mix) => Some((mix.clone(), (0..lens.len()).collect())),
+            None => interleave(&lens.iter().map(|l| l[w]).collect::<Vec<_>>()),
+        })
+        .collect();
     // consumed[i][h][s]: what old stream (h, s) read of source i.
     let mut consumed: Vec<Vec<Vec<u64>>> =
         vec![
@@ -280,12 +288,12 @@ pub fn split_mix(
                 ..old_req
             };
             let own: Vec<u64> = lens.iter().map(|l| l[w]).collect();
-            let counts = if base {
-                let mix = crate::mix::Mix::new(weights, e).expect("checked above");
-                mix.counts_at(plan::stream_key(&stream), origin.positions[w])
-            } else {
-                interleave_counts(&own, plan::stream_key(&stream), origin.positions[w])
-            };
+            let counts = taken(
+                &orders[w],
+                &own,
+                plan::stream_key(&stream),
+                origin.positions[w],
+            );
             for (i, c) in counts.into_iter().enumerate() {
                 consumed[i][h as usize][s as usize] = c;
             }
@@ -308,12 +316,18 @@ pub fn interleave(lens: &[u64]) -> Option<(crate::mix::Mix, Vec<usize>)> {
     Some((mix, live))
 }
 
-/// Samples of each source among the first `at` of an elastic mix stream (see `interleave`).
-fn interleave_counts(lens: &[u64], key: u64, at: u64) -> Vec<u64> {
+/// Samples of each source (of `lens` each) among the first `at` of a mixed stream ordered
+/// by `order` (an `interleave`, or none when at most one source has samples).
+fn taken(
+    order: &Option<(crate::mix::Mix, Vec<usize>)>,
+    lens: &[u64],
+    key: u64,
+    at: u64,
+) -> Vec<u64> {
     let mut out = vec![0; lens.len()];
-    match interleave(lens) {
+    match order {
         Some((mix, live)) => {
-            for (i, c) in live.into_iter().zip(mix.counts_at(key, at)) {
+            for (&i, c) in live.iter().zip(mix.counts_at(key, at)) {
                 out[i] = c;
             }
         }
@@ -468,10 +482,8 @@ mod tests {
     use crate::shuffle::SplitMix64;
     use std::collections::HashMap;
 
-    /// The samples of a base stream in output order, named (shard, index), by planning it
-    /// and shuffling it as the stream does.
-    fn base_output(shape: Shape, seg: &Segment, window: usize) -> Vec<(usize, u64)> {
-        let p = plan::plan_stream(shape, seg.host, &seg.req).unwrap();
+    /// A plan's samples in output order, named (shard, index), shuffled as the stream does.
+    fn shuffled(p: &plan::StreamPlan, window: usize) -> Vec<(usize, u64)> {
         let mut flat: Vec<(usize, u64)> = p
             .pieces
             .iter()
@@ -486,6 +498,14 @@ mod tests {
             out.extend(w);
         }
         out
+    }
+
+    /// A base stream's samples in output order.
+    fn base_output(shape: Shape, seg: &Segment, window: usize) -> Vec<(usize, u64)> {
+        shuffled(
+            &plan::plan_stream(shape, seg.host, &seg.req).unwrap(),
+            window,
+        )
     }
 
     fn read(shape: Shape, segments: &[Segment], window: usize) -> Vec<(usize, u64)> {
@@ -728,24 +748,8 @@ mod tests {
             ..shape
         };
         let mut p = plan::plan_stream(shape, seg.host, &seg.req).unwrap();
-        p.stream_key = crate::shuffle::key(&[
-            crate::shuffle::tag::MIX_SOURCE,
-            p.stream_key,
-            src.index as u64,
-        ]);
-        let mut flat: Vec<(usize, u64)> = p
-            .pieces
-            .iter()
-            .flat_map(|x| (x.start..x.end.unwrap()).map(move |i| (x.shard, i)))
-            .collect();
-        let mut shuffle = crate::shuffle::WindowShuffle::new(p.stream_key, window);
-        let mut out = Vec::new();
-        while !flat.is_empty() {
-            let n = shuffle.next_len().min(flat.len());
-            let mut w: Vec<_> = flat.drain(..n).collect();
-            shuffle.permute(&mut w);
-            out.extend(w);
-        }
+        p.stream_key = plan::source_key(p.stream_key, src.index);
+        let out = shuffled(&p, window);
         out[seg.from as usize..seg.to as usize].to_vec()
     }
 

@@ -106,34 +106,8 @@ enum Command {
     Plan {
         #[arg(long)]
         config: PathBuf,
-        /// Hosts in the job (the config's host section is ignored).
-        #[arg(long)]
-        hosts: u32,
-        /// Ranks (trainer processes) per host.
-        #[arg(long)]
-        ranks: u32,
-        /// DataLoader workers per rank.
-        #[arg(long)]
-        workers: u32,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        #[arg(long, default_value_t = 0)]
-        epoch: u64,
-        /// The dataset (needed when the config has more than one).
-        #[arg(long)]
-        dataset: Option<String>,
-        /// One JSON object on stdout instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// Also what an elastic resume from a job of H0 hosts × R0 ranks × K0 workers would
-        /// read: per new host, the rest of the epoch it reads and how much of it is not in
-        /// its own old share (must be fetched from the store). Needs a manifest.
-        #[arg(long, value_name = "H0,R0,K0")]
-        from: Option<plan_report::From>,
-        /// With --from: samples each old worker's stream had delivered at the checkpoint
-        /// (default: half of an old stream).
-        #[arg(long, requires = "from")]
-        position: Option<u64>,
+        #[command(flatten)]
+        args: plan_report::Args,
     },
     /// Print what a running daemon is doing (its /status) as a table.
     Status {
@@ -221,31 +195,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Demo => runtime.block_on(shardd::demo::run()),
         Command::Status { url } => runtime.block_on(status(&url)),
-        Command::Plan {
-            config,
-            hosts,
-            ranks,
-            workers,
-            seed,
-            epoch,
-            dataset,
-            json,
-            from,
-            position,
-        } => {
-            let args = plan_report::Args {
-                hosts,
-                ranks,
-                workers,
-                seed,
-                epoch,
-                dataset,
-                json,
-                from,
-                position,
-            };
-            runtime.block_on(plan_report::run(&config, args))
-        }
+        Command::Plan { config, args } => runtime.block_on(plan_report::run(&config, args)),
         Command::InstallUnits { dir } => units::install(&dir),
     }
 }

@@ -215,6 +215,12 @@ pub fn stream_key(req: &StreamRequest) -> u64 {
     ])
 }
 
+/// The shuffle key of a mix source's stream: the stream's own, keyed apart per source so the
+/// sources do not share window orders.
+pub fn source_key(stream_key: u64, source: u32) -> u64 {
+    shuffle::key(&[tag::MIX_SOURCE, stream_key, source as u64])
+}
+
 fn plan_shards(shape: Shape, host: Topology, req: &StreamRequest, local_rank: usize) -> Vec<usize> {
     let ranks_per_host = (req.world_size / host.count) as u64;
     let workers = req.num_workers as u64;

@@ -5,6 +5,8 @@
 //! distinct shards fetched, their bytes (the manifest's sizes: a shard is fetched whole even
 //! when the host reads a piece of it), and samples dropped. Then the spread between hosts.
 //! Without a manifest (shard-level plans) there are no sample counts nor sizes: shards only.
+//! With `--from`, also what an elastic resume from another topology reads on each new host
+//! and what of it must be fetched (see [`resize`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -49,18 +51,36 @@ impl std::str::FromStr for From {
     }
 }
 
-#[derive(Debug, Clone)]
+/// `shardd plan`'s flags (besides `--config`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct Args {
+    /// Hosts in the job (the config's host section is ignored).
+    #[arg(long)]
     pub hosts: u32,
+    /// Ranks (trainer processes) per host.
+    #[arg(long)]
     pub ranks: u32,
+    /// DataLoader workers per rank.
+    #[arg(long)]
     pub workers: u32,
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    #[arg(long, default_value_t = 0)]
     pub epoch: u64,
+    /// The dataset (needed when the config has more than one).
+    #[arg(long)]
     pub dataset: Option<String>,
+    /// One JSON object on stdout instead of the table.
+    #[arg(long)]
     pub json: bool,
-    /// `--from`: also report an elastic resume from that topology.
+    /// Also what an elastic resume from a job of H0 hosts × R0 ranks × K0 workers would
+    /// read: per new host, the rest of the epoch it reads and how much of it is not in
+    /// its own old share (must be fetched from the store). Needs a manifest.
+    #[arg(long, value_name = "H0,R0,K0")]
     pub from: Option<From>,
-    /// `--position`: each old worker's samples delivered at the checkpoint.
+    /// With --from: samples each old worker's stream had delivered at the checkpoint
+    /// (default: half of an old stream).
+    #[arg(long, requires = "from")]
     pub position: Option<u64>,
 }
 

@@ -715,11 +715,7 @@ fn source_plan(
     }
     let mut plan = plan::plan_stream(shape, host, req)?;
     if let Some((s, _)) = source {
-        plan.stream_key = crate::shuffle::key(&[
-            crate::shuffle::tag::MIX_SOURCE,
-            plan.stream_key,
-            s.index as u64,
-        ]);
+        plan.stream_key = plan::source_key(plan.stream_key, s.index);
     }
     Ok(plan)
 }

@@ -292,13 +292,15 @@ async fn serve_from(
         out_bytes -= bytes as usize;
         end.samples += sent.len() as u64;
         end.bytes += bytes;
+        // Per dataset (a mix's sources each count their own), once per frame and lane.
+        let mut per_lane = vec![(0u64, 0u64); lanes.len()];
         for (sample, i) in sent.iter().zip(out_lanes.drain(..sent.len())) {
-            // Per dataset: a mix's sources each count their own.
-            lanes[i].series.samples_sent.inc();
-            lanes[i]
-                .series
-                .bytes_sent
-                .inc_by(sample.payload_len() as u64);
+            per_lane[i].0 += 1;
+            per_lane[i].1 += sample.payload_len() as u64;
+        }
+        for (lane, (samples, bytes)) in lanes.iter().zip(per_lane) {
+            lane.series.samples_sent.inc_by(samples);
+            lane.series.bytes_sent.inc_by(bytes);
         }
         job.live.sent(sent.len() as u64, bytes);
         if let Some(e) = failed {

@@ -487,3 +487,33 @@ def wheel(tmp_path_factory):
              "MATURIN_PEP517_ARGS": "--compatibility manylinux_2_34"})
     (path,) = out.glob("shardd-*.whl")
     return path
+
+
+def index(pattern, out):
+    """`shardd index` of local shards into `out`."""
+    run = subprocess.run([SHARDD, "index", pattern, "-o", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def serve_train_and_tiny(root):
+    """A daemon over the train shards (webdataset-written, local files) as `exact` (with a
+    manifest) and `plain` (without), and examples/'s tiny image dataset as `tiny`: what the
+    PyTorch and Grain adapter tests read. Returns (daemon, shard paths, config)."""
+    paths = write_train_shards(root / "train")
+    pattern = f"{root}/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"
+    manifest = index(pattern, root / "train.manifest.json")
+    make = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_tiny_dataset.py"), str(root / "tiny"),
+         "--shardd", SHARDD],
+        capture_output=True, text=True)
+    assert make.returncode == 0, make.stderr
+    tiny = json.loads(make.stdout.strip().splitlines()[-1])
+    config = (
+        "[host]\nindex = 0\ncount = 1\n"
+        f'[datasets.exact]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 20\n'
+        f'[datasets.plain]\nshards = "{pattern}"\nshuffle_buffer = 20\n'
+        f'[datasets.tiny]\nshards = "{tiny["shards"]}"\nmanifest = "{tiny["manifest"]}"\n'
+        "shuffle_buffer = 50\n"
+    )
+    return Daemon(root, config), paths, config

@@ -19,7 +19,7 @@ import webdataset as wds
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardd.torch as st
-from conftest import DEADLINE, SHARDD, TRAIN_SHARDS, Daemon, reference_samples, write_train_shards
+from conftest import DEADLINE, Daemon, reference_samples, serve_train_and_tiny
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -27,33 +27,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 BATCH = 7  # divides no stream length here: every stream ends with a partial batch
 
 
-def index(pattern, out):
-    run = subprocess.run([SHARDD, "index", pattern, "-o", str(out)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    return out
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """One daemon for the module: the train shards (webdataset-written, local files) as
     `exact` (with a manifest) and `plain` (without), and the example's tiny image dataset."""
     root = tmp_path_factory.mktemp("torch")
-    paths = write_train_shards(root / "train")
-    pattern = f"{root}/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"
-    manifest = index(pattern, root / "train.manifest.json")
-    make = subprocess.run(
-        [sys.executable, str(EXAMPLES / "make_tiny_dataset.py"), str(root / "tiny"), "--shardd", SHARDD],
-        capture_output=True, text=True)
-    assert make.returncode == 0, make.stderr
-    tiny = json.loads(make.stdout.strip().splitlines()[-1])
-    config = (
-        "[host]\nindex = 0\ncount = 1\n"
-        f'[datasets.exact]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 20\n'
-        f'[datasets.plain]\nshards = "{pattern}"\nshuffle_buffer = 20\n'
-        f'[datasets.tiny]\nshards = "{tiny["shards"]}"\nmanifest = "{tiny["manifest"]}"\n'
-        "shuffle_buffer = 50\n"
-    )
-    daemon = Daemon(root, config)
+    daemon, paths, config = serve_train_and_tiny(root)
     yield types.SimpleNamespace(socket=str(daemon.socket), paths=paths, daemon=daemon,
                                 reference=reference_samples(paths), config=config)
     daemon.stop()
