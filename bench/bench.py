@@ -1,23 +1,37 @@
 """shardd throughput benchmark (run on demand; not a test, asserts nothing).
 
-Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter, then, warm
-(page cache filled, runs interleaved, best of --repeat), measures in one run:
-  - webdataset reading the shards in this process (the baseline);
-  - the shardd Python client reading the same shards from a release-built daemon
-    (one stream: rank 0 of world 1, sample shuffle window 1000);
-  - raw Unix-socket bandwidth into this process (recv_into a 1 MiB buffer from a process
-    that sends as fast as it can): the ceiling for any socket-based client.
-Prints samples/s and MB/s for each and the ratios.
+Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter (kept under
+--data), then, warm (page cache and daemon cache filled, runs interleaved), measures in one run:
 
-    .venv/bin/python bench/bench.py            # builds target/release/shardd first
+1. One consumer, per sample size:
+   - webdataset reading the shards in this process (the baseline);
+   - litData reading the same samples from its own chunk format (made once with
+     ``litdata.optimize``, kept under --data): the strongest peer here;
+   - the shardd Python client reading the same shards from a release-built daemon (one
+     stream: rank 0 of world 1, sample shuffle window 1000), over the socket path and, where
+     the daemon and client offer it, the zero-copy path (``Client(zero_copy=True)``);
+   - raw Unix-socket bandwidth into this process (recv_into a 1 MiB buffer from a process that
+     sends as fast as it can): the ceiling for any socket-based client.
+   Prints samples/s and MB/s (best of --repeat), the ratios, and the daemon's own CPU time
+   (utime + stime from /proc/<pid>/stat, all threads) per sample and per GB served: the median
+   over the --repeat runs of each path.
+
+2. --consumers processes at once (default 16: 8 ranks x 2 DataLoader-style workers) on the
+   same cores: webdataset with each process reading its share of the shards, against shardd
+   with each process reading its own stream. Total samples/s and MB/s, best of --repeat.
+
+    .venv/bin/python bench/bench.py            # builds target/release/shardd first; ~6 min
+    .venv/bin/python bench/bench.py --quick    # 200 MB per size, one repeat: ~1 min
 """
 
 import argparse
+import multiprocessing
 import os
 import pathlib
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,15 +44,18 @@ import shardd  # noqa: E402
 import webdataset as wds  # noqa: E402
 
 SHARDS = 16
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def generate(directory, sample_bytes, total_bytes):
     directory.mkdir(parents=True, exist_ok=True)
     per_shard = max(1, total_bytes // sample_bytes // SHARDS)
     paths = [directory / f"shard-{i:06d}.tar" for i in range(SHARDS)]
-    if all(p.exists() for p in paths):
+    if all(p.exists() for p in paths) and (directory / "per_shard").exists() and int(
+            (directory / "per_shard").read_text()) == per_shard:
         return paths
     write_shards(paths, per_shard, sample_bytes)
+    (directory / "per_shard").write_text(str(per_shard))
     return paths
 
 
@@ -70,14 +87,54 @@ def read_webdataset(paths):
     return samples, nbytes
 
 
-def read_shardd(sock, dataset):
+def read_shardd(sock, dataset, zero_copy=False, rank=0, world_size=1, worker=0, num_workers=1):
     samples = nbytes = 0
-    with shardd.Client(sock) as c:
-        for s in c.stream(dataset, epoch=0, rank=0, world_size=1):
+    with shardd.Client(sock, **({"zero_copy": True} if zero_copy else {})) as c:
+        for s in c.stream(dataset, epoch=0, rank=rank, world_size=world_size, worker=worker,
+                          num_workers=num_workers):
             samples += 1
             nbytes += len(s["bin"]) + len(s["cls"])
     return samples, nbytes
 
+
+def zero_copy_offered():
+    """Whether this client has the zero-copy path (older ones do not: it is then skipped)."""
+    import inspect
+
+    return "zero_copy" in inspect.signature(shardd.Client).parameters
+
+
+# -- litData ------------------------------------------------------------------------------
+
+def _litdata_item(path):
+    """litdata.optimize's function: one shard's samples, as dicts of bytes."""
+    for s in wds.WebDataset([path], shardshuffle=False, empty_check=False):
+        yield {"key": s["__key__"], "bin": s["bin"], "cls": s["cls"]}
+
+
+def litdata_dir(paths, directory):
+    """The shards in litData's format, made once (kept beside the shards)."""
+    done = directory / "done"
+    if not done.exists():
+        import litdata
+
+        litdata.optimize(fn=_litdata_item, inputs=[str(p) for p in paths], output_dir=str(directory),
+                         chunk_bytes="64MB", num_workers=1, mode="overwrite", verbose=False)
+        done.write_text("")
+    return directory
+
+
+def read_litdata(directory):
+    import litdata
+
+    samples = nbytes = 0
+    for s in litdata.StreamingDataset(str(directory)):
+        samples += 1
+        nbytes += len(s["bin"]) + len(s["cls"])
+    return samples, nbytes
+
+
+# -- the daemon ---------------------------------------------------------------------------
 
 RAW_SENDER = """
 import socket, sys
@@ -106,9 +163,10 @@ def read_raw(tmp, total):
     return 0, got
 
 
-def start_daemon(tmp, datasets):
-    binary = ROOT / "target" / "release" / "shardd"
-    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+def start_daemon(tmp, datasets, binary=None):
+    if binary is None:
+        binary = ROOT / "target" / "release" / "shardd"
+        subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     sock = os.path.join(tmp, "shardd.sock")
     config = os.path.join(tmp, "config.toml")
     with open(config, "w") as f:
@@ -125,52 +183,132 @@ def start_daemon(tmp, datasets):
     return proc, sock
 
 
+def cpu_seconds(pid):
+    """A process's CPU time so far (all its threads, those ended included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+# -- many consumers -----------------------------------------------------------------------
+
+def _consume(fn, args, ready, go, out):
+    ready.release()
+    go.wait()
+    t = time.perf_counter()
+    samples, nbytes = fn(*args)
+    out.put((samples, nbytes, t, time.perf_counter()))
+
+
+def measure_many(jobs):
+    """Runs ``jobs`` ((fn, args) pairs) in as many processes at once (forked, started
+    together); returns total samples/s and MB/s from the first start to the last end."""
+    ctx = multiprocessing.get_context("fork")
+    ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_consume, args=(fn, args, ready, go, out)) for fn, args in jobs]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.acquire()
+    go.set()
+    results = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    samples = sum(r[0] for r in results)
+    nbytes = sum(r[1] for r in results)
+    dt = max(r[3] for r in results) - min(r[2] for r in results)
+    return samples / dt, nbytes / dt / 1e6
+
+
+# -- main ---------------------------------------------------------------------------------
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(ROOT / "bench" / "data"), help="where shards are generated (kept)")
-    ap.add_argument("--total-mb", type=int, default=800, help="dataset size per sample size")
+    ap.add_argument("--total-mb", type=int, default=800, help="dataset size at ~100 KB (half that at ~10 KB)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--consumers", type=int, default=16, help="processes of part 2 (even; 0 skips it)")
+    ap.add_argument("--no-litdata", action="store_true", help="skip litData (not installed, say)")
+    ap.add_argument("--shardd", help="the daemon binary (default: build target/release/shardd)")
+    ap.add_argument("--quick", action="store_true", help="--total-mb 200 --repeat 1")
     args = ap.parse_args()
+    if args.quick:
+        args.total_mb, args.repeat = 200, 1
 
     data = pathlib.Path(args.data)
     total = args.total_mb * 1_000_000
     sets = {
-        "s100k": generate(data / "100k", 100_000, total),
-        "s10k": generate(data / "10k", 10_000, total // 2),
+        "s10k": generate(data / f"10k-{args.total_mb}", 10_000, total // 2),
+        "s100k": generate(data / f"100k-{args.total_mb}", 100_000, total),
     }
+    lit = {} if args.no_litdata else {
+        name: litdata_dir(paths, data / f"litdata-{paths[0].parent.name}") for name, paths in sets.items()}
+    paths_zc = [False] + ([True] if zero_copy_offered() else [])
     with tempfile.TemporaryDirectory() as tmp:
-        proc, sock = start_daemon(tmp, sets)
+        proc, sock = start_daemon(tmp, sets, args.shardd)
         try:
-            rows = []
+            rows, cpu, many = {}, {}, {}
             raw_best = 0.0
             for name, paths in sets.items():
                 read_webdataset(paths)  # warm the page cache
-                best = {"webdataset": (0, 0), "shardd": (0, 0)}
+                for zc in paths_zc:
+                    read_shardd(sock, name, zc)  # and the daemon's cache
+                readers = [("webdataset", lambda: read_webdataset(paths))]
+                if name in lit:
+                    readers.append(("litdata", lambda: read_litdata(lit[name])))
+                for zc in paths_zc:
+                    readers.append(("shardd zero-copy" if zc else "shardd",
+                                    lambda zc=zc: read_shardd(sock, name, zc)))
+                best = {label: (0, 0) for label, _ in readers}
                 for _ in range(args.repeat):
-                    for label, fn in [
-                        ("webdataset", lambda: read_webdataset(paths)),
-                        ("shardd", lambda: read_shardd(sock, name)),
-                    ]:
-                        r = measure(fn)
+                    for label, fn in readers:
+                        before = cpu_seconds(proc.pid)
+                        holder = {}
+                        r = measure(lambda: holder.setdefault("n", fn()))
+                        used = cpu_seconds(proc.pid) - before
+                        if label.startswith("shardd"):
+                            samples, nbytes = holder["n"]
+                            cpu.setdefault((name, label), []).append((used / samples, used / nbytes * 1e9))
                         best[label] = max(best[label], r, key=lambda x: x[1])
                     raw_best = max(raw_best, measure(lambda: read_raw(tmp, 2_000_000_000))[1])
-                rows.append((name, best))
+                rows[name] = best
+                if args.consumers:
+                    n = args.consumers
+                    wd = [(read_webdataset, (paths[i::n],)) for i in range(n)]
+                    sd = [(read_shardd, (sock, name, False, i // 2, n // 2, i % 2, 2)) for i in range(n)]
+                    many[name] = {"webdataset": (0, 0), "shardd": (0, 0)}
+                    for _ in range(args.repeat):
+                        for label, jobs in [("webdataset", wd), ("shardd", sd)]:
+                            many[name][label] = max(many[name][label], measure_many(jobs), key=lambda x: x[1])
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
 
-    print(f"\n{'dataset':8} {'reader':11} {'samples/s':>11} {'MB/s':>8}")
-    for name, best in rows:
+    print(f"\n1. one consumer (best of {args.repeat}; daemon CPU: median)")
+    print(f"{'dataset':8} {'reader':17} {'samples/s':>11} {'MB/s':>8} {'daemon us/sample':>17} {'daemon CPU-s/GB':>16}")
+    for name, best in rows.items():
         for label, (sps, mbs) in best.items():
-            print(f"{name:8} {label:11} {sps:11.0f} {mbs:8.0f}")
-    print(f"{'':8} {'raw socket':11} {'':>11} {raw_best:8.0f}")
+            c = cpu.get((name, label))
+            us = f"{1e6 * statistics.median(x[0] for x in c):17.2f}" if c else f"{'':17}"
+            gb = f"{statistics.median(x[1] for x in c):16.3f}" if c else ""
+            print(f"{name:8} {label:17} {sps:11.0f} {mbs:8.0f} {us} {gb}")
+    print(f"{'':8} {'raw socket':17} {'':>11} {raw_best:8.0f}")
     print()
-    for name, best in rows:
-        w, s = best["webdataset"], best["shardd"]
-        print(
-            f"{name}: shardd/webdataset = {s[0] / w[0]:.1f}x samples/s, {s[1] / w[1]:.1f}x MB/s; "
-            f"shardd/raw socket = {100 * s[1] / raw_best:.0f}%"
-        )
+    for name, best in rows.items():
+        w = best["webdataset"]
+        for label, s in best.items():
+            if not label.startswith("shardd"):
+                continue
+            line = f"{name}: {label}/webdataset = {s[0] / w[0]:.1f}x samples/s, {s[1] / w[1]:.1f}x MB/s"
+            if "litdata" in best:
+                line += f"; /litdata = {s[0] / best['litdata'][0]:.2f}x samples/s"
+            print(f"{line}; /raw socket = {100 * s[1] / raw_best:.0f}%")
+    if many:
+        print(f"\n2. {args.consumers} consumers at once (shardd: {args.consumers // 2} ranks x 2 workers; best of {args.repeat})")
+        for name, r in many.items():
+            w, s = r["webdataset"], r["shardd"]
+            print(f"{name}: webdataset {w[0]:.0f} samples/s {w[1]:.0f} MB/s; shardd {s[0]:.0f} samples/s "
+                  f"{s[1]:.0f} MB/s; shardd/webdataset = {s[0] / w[0]:.1f}x")
 
 
 if __name__ == "__main__":
