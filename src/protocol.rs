@@ -243,7 +243,7 @@ pub fn encode_batch(
     for s in &batch {
         let url = index_of(&mut urls, &s.url);
         words.push(url | ((s.fields.len() as u32) << 16));
-        words.push(s.key.len() as u32);
+        words.push(s.key.bytes().len() as u32);
         for (name, data) in &s.fields {
             words.push(index_of(&mut names, name));
             words.push(u32::try_from(data.len()).map_err(|_| {
@@ -261,7 +261,9 @@ pub fn encode_batch(
     let payload_offset = BATCH_HEADER_LEN + tables + 4 * words.len();
     let max_piece = batch
         .iter()
-        .flat_map(|s| std::iter::once(s.key.len()).chain(s.fields.iter().map(|(_, d)| d.len())))
+        .flat_map(|s| {
+            std::iter::once(s.key.bytes().len()).chain(s.fields.iter().map(|(_, d)| d.len()))
+        })
         .max()
         .unwrap_or(0);
     let body_len = u32::try_from(payload_offset + payload)
@@ -288,7 +290,7 @@ pub fn encode_batch(
     let mut out = Vec::with_capacity(parts + 1);
     let mut inline = head;
     for s in &batch {
-        inline.put_slice(s.key.as_bytes());
+        inline.put_slice(s.key.bytes());
         for (_, data) in &s.fields {
             if data.len() > INLINE_MAX {
                 out.push(Part::Inline(std::mem::take(&mut inline).freeze()));
@@ -442,7 +444,7 @@ mod tests {
         let got = decode_batch(Bytes::from(body.to_vec())).unwrap();
         assert_eq!(got.len(), 3);
         for (g, w) in got.iter().zip(&want) {
-            assert_eq!(g.key, w.key);
+            assert_eq!(g.key, w.key.as_str());
             assert_eq!(g.url, &*w.url);
             let wf: Vec<(String, Bytes)> = w
                 .fields

@@ -1,18 +1,22 @@
 //! Writes encoded frames to a client's socket.
 //!
 //! Copying shard bytes into the socket is the daemon's largest cost (it shares the host's
-//! cores with the trainers it feeds), so large [`Part::Shard`] pieces of cache-file memory
-//! ([`crate::cache::ShardBytes::spliceable`]) are not copied: they are
+//! cores with the trainers it feeds), so pieces of cache-file memory of at least
+//! [`SPLICE_MIN`] bytes ([`crate::cache::ShardBytes::spliceable`]) are not copied: they are
 //! `vmsplice`d into a per-connection pipe by reference and `splice`d from the pipe into the
 //! socket, which hands the page-cache pages themselves to the receiving side; the only copy
-//! left is the one into the trainer's memory. Everything else is `write`n into the same pipe
-//! (copied, in order). Without a pipe (e.g. out of file descriptors) the sink falls back to
-//! `writev` on the socket.
+//! left is the one into the trainer's memory. The rest of such a frame (its header, keys,
+//! labels) is copied once into a *sealed* buffer ([`ShardBytes::sealed`]) that goes by
+//! reference too, so a whole frame takes one `vmsplice` per pipe-full (many iovecs) rather
+//! than a syscall per piece. A frame with nothing to splice is `writev`n to the socket, as is
+//! everything when there is no pipe (e.g. out of file descriptors).
 //!
-//! Why borrowing pages is safe here: spliceable parts are slices of read-only `MAP_SHARED`
-//! mappings of committed cache files (the type says so; see `cache/bytes.rs`). The kernel holds its own reference on each page until the
-//! receiver has read it, so unmapping or unlinking the file meanwhile is harmless, and nobody
-//! writes to those pages. Heap memory is never vmspliced: it could be reused before it is read.
+//! Why borrowing pages is safe here: spliced parts are slices of read-only mappings whose
+//! pages nobody writes again: committed cache files (see `cache/bytes.rs`), or sealed buffers
+//! (read-only anonymous mappings, unmapped and never reused once dropped). The kernel holds
+//! its own reference on each page until the receiver has read it, so unmapping or unlinking
+//! meanwhile is harmless. Ordinary heap memory is never vmspliced: it could be reused before
+//! it is read.
 
 use std::io::{self, IoSlice};
 use std::os::fd::OwnedFd;
@@ -23,10 +27,14 @@ use rustix::pipe::{IoSliceRaw, PipeFlags, SpliceFlags};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
+use crate::cache::ShardBytes;
 use crate::protocol::Part;
 
-/// Mapped pieces at least this large are spliced; smaller ones are cheaper to copy.
-const SPLICE_MIN: usize = 16 << 10;
+/// Mapped pieces at least this large are spliced; smaller ones are copied into the frame's
+/// sealed buffer (a piece takes a pipe slot per page it touches, and a pipe has 64).
+const SPLICE_MIN: usize = 4 << 10;
+/// Iovecs per `vmsplice` (the kernel's limit is 1024).
+const IOVECS: usize = 256;
 /// Pipe capacity asked for. 1 MiB measured no faster than 256 KiB, and an unprivileged user
 /// may hold only 64 MiB of pipes in all (fs.pipe-user-pages-soft): 256 connections at this size.
 const PIPE_SIZE: usize = 256 << 10;
@@ -152,21 +160,17 @@ impl Pipe {
         done: &mut usize,
         stall: Duration,
     ) -> Result<(), SendError> {
+        let pieces = sealed(parts)?;
         let (mut index, mut offset) = (0usize, 0usize);
-        advance(parts, &mut index, &mut offset, *done);
+        advance(&pieces, &mut index, &mut offset, *done);
         loop {
             // Fill the pipe until it is full or the frame is in it...
-            while index < parts.len() {
-                let n = if spliced(&parts[index]) {
-                    self.vmsplice(&parts[index].bytes()[offset..])
-                } else {
-                    self.write_inline(&parts[index..], offset)
-                };
-                match n {
+            while index < pieces.len() {
+                match self.vmsplice(&pieces[index..], offset) {
                     Ok(n) => {
                         self.pending += n;
                         *done += n;
-                        advance(parts, &mut index, &mut offset, n);
+                        advance(&pieces, &mut index, &mut offset, n);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => return Err(e.into()),
@@ -181,35 +185,30 @@ impl Pipe {
                 }
                 self.pending -= n;
             }
-            if index == parts.len() {
+            if index == pieces.len() {
                 return Ok(());
             }
         }
     }
 
-    /// Copies the run of parts that are not to be spliced (starting at `offset` in the first)
-    /// into the pipe with one writev.
-    fn write_inline(&self, parts: &[Part], offset: usize) -> io::Result<usize> {
-        let mut slices = Vec::new();
-        for (k, part) in parts.iter().enumerate() {
-            if k > 0 && spliced(part) {
-                break;
-            }
-            let data = &part.bytes()[if k == 0 { offset } else { 0 }..];
-            slices.push(IoSlice::new(data));
-            if slices.len() == 64 {
-                break;
-            }
-        }
-        Ok(rustix::io::writev(&self.write, &slices)?)
-    }
-
-    fn vmsplice(&self, data: &[u8]) -> io::Result<usize> {
-        let iov = [IoSliceRaw::from_slice(data)];
+    /// Hands `pieces` (from `offset` in the first) to the pipe by reference, as many as one
+    /// call takes; returns the bytes it took.
+    fn vmsplice(&self, pieces: &[ShardBytes], offset: usize) -> io::Result<usize> {
+        let iov: Vec<IoSliceRaw> = pieces
+            .iter()
+            .take(IOVECS)
+            .enumerate()
+            .map(|(k, p)| {
+                let bytes = p
+                    .spliceable()
+                    .expect("sealed() makes every piece spliceable");
+                IoSliceRaw::from_slice(&bytes[if k == 0 { offset } else { 0 }..])
+            })
+            .collect();
         // SAFETY: vmsplice hands the pages to the pipe by reference, so they must not change
-        // until the receiver has read them. `data` is a read-only mapping of a committed cache
-        // file that nobody writes (see the module docs and `ShardBytes::spliceable`), and
-        // `self.write` is the pipe's write end (the kernel reads `data`, never writes it).
+        // until the receiver has read them. Every piece is a read-only mapping nobody writes
+        // again (a committed cache file, or a sealed buffer: see the module docs), and
+        // `self.write` is the pipe's write end (the kernel reads the memory, never writes it).
         // No SPLICE_F_GIFT.
         let n = unsafe { rustix::pipe::vmsplice(&self.write, &iov, SpliceFlags::NONBLOCK) }?;
         Ok(n)
@@ -272,10 +271,37 @@ fn spliced(part: &Part) -> bool {
     matches!(part, Part::Shard(b) if b.len() >= SPLICE_MIN && b.spliceable().is_some())
 }
 
-/// Moves the cursor (`index`, `offset`) forward by `n` bytes over `parts`.
-fn advance(parts: &[Part], index: &mut usize, offset: &mut usize, mut n: usize) {
+/// The frame as pieces that all go by reference: the spliced parts as they are, and each run
+/// of the others as a slice of one sealed copy of them all. The same parts give the same
+/// bytes, so a frame cut off by a stall is sealed again and resumed at its byte offset.
+fn sealed(parts: &[Part]) -> io::Result<Vec<ShardBytes>> {
+    let arena = ShardBytes::sealed(parts.iter().filter(|p| !spliced(p)).map(|p| p.bytes()))?;
+    let mut pieces = Vec::with_capacity(parts.len());
+    let (mut at, mut run) = (0usize, 0usize);
+    for part in parts {
+        if spliced(part) {
+            if run > 0 {
+                pieces.push(arena.slice(at - run..at));
+                run = 0;
+            }
+            if let Part::Shard(b) = part {
+                pieces.push(b.clone());
+            }
+        } else {
+            at += part.bytes().len();
+            run += part.bytes().len();
+        }
+    }
+    if run > 0 {
+        pieces.push(arena.slice(at - run..at));
+    }
+    Ok(pieces)
+}
+
+/// Moves the cursor (`index`, `offset`) forward by `n` bytes over `pieces`.
+fn advance(pieces: &[impl AsRef<[u8]>], index: &mut usize, offset: &mut usize, mut n: usize) {
     while n > 0 {
-        let left = parts[*index].bytes().len() - *offset;
+        let left = pieces[*index].as_ref().len() - *offset;
         if n < left {
             *offset += n;
             return;
@@ -284,7 +310,7 @@ fn advance(parts: &[Part], index: &mut usize, offset: &mut usize, mut n: usize) 
         *index += 1;
         *offset = 0;
     }
-    while *index < parts.len() && parts[*index].bytes().len() == *offset {
+    while *index < pieces.len() && pieces[*index].as_ref().len() == *offset {
         *index += 1;
         *offset = 0;
     }

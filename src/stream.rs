@@ -828,7 +828,7 @@ mod tests {
                 order.push(queue.pop_front().map(|p| {
                     (p.start..p.end.unwrap_or(counts[p.shard]))
                         .map(|i| Sample {
-                            key: format!("s{}-{i}", p.shard),
+                            key: format!("s{}-{i}", p.shard).into(),
                             url: url.clone(),
                             fields: Vec::new(),
                         })
@@ -836,7 +836,7 @@ mod tests {
                 }));
             }
             match order.next_window() {
-                Some(w) => out.extend(w.into_iter().map(|s| s.key)),
+                Some(w) => out.extend(w.into_iter().map(|s| s.key.to_string())),
                 None => return out,
             }
         }

@@ -42,7 +42,7 @@ fuzz_target!(|data: &[u8]| {
 
 fn to_sample(s: &ReceivedSample) -> Sample {
     Sample {
-        key: s.key.clone(),
+        key: s.key.clone().into(),
         url: Arc::from(s.url.as_str()),
         fields: s
             .fields

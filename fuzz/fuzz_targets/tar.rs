@@ -229,7 +229,7 @@ fn check(mut data: Vec<u8>, repair: Repair) {
             samples
                 .iter()
                 .map(|s| RefSample {
-                    key: s.key.clone(),
+                    key: s.key.to_string(),
                     fields: s
                         .fields
                         .iter()

@@ -35,6 +35,27 @@ impl ShardBytes {
         }
     }
 
+    /// A copy of `pieces`, one after another, in a fresh anonymous mapping made read-only:
+    /// spliceable like a cache file's bytes, since nothing writes those pages again (the
+    /// mapping is `PROT_READ`, and once the last slice drops it is unmapped, never reused: a
+    /// pipe holding the pages keeps them as they are). The sink seals a frame's small pieces
+    /// this way so that a whole frame goes into its pipe by reference.
+    pub fn sealed<'a>(
+        pieces: impl Iterator<Item = &'a [u8]> + Clone,
+    ) -> std::io::Result<ShardBytes> {
+        let len = pieces.clone().map(<[u8]>::len).sum();
+        if len == 0 {
+            return Ok(ShardBytes::default());
+        }
+        let mut map = memmap2::MmapMut::map_anon(len)?;
+        let mut at = 0;
+        for piece in pieces {
+            map[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+        }
+        Ok(Self::cache_file(map.make_read_only()?))
+    }
+
     /// A file-backed value for the sink's own tests.
     #[cfg(test)]
     pub(crate) fn file_for_test(map: memmap2::Mmap) -> ShardBytes {
@@ -48,13 +69,20 @@ impl ShardBytes {
         }
     }
 
-    /// The bytes if they may be spliced into a pipe by reference (see `sink.rs`).
+    /// The bytes if they may be spliced into a pipe by reference (see `sink.rs`): cache file
+    /// memory, or [`ShardBytes::sealed`].
     pub fn spliceable(&self) -> Option<&[u8]> {
         self.file_backed.then_some(&self.bytes[..])
     }
 
     pub fn as_bytes(&self) -> &Bytes {
         &self.bytes
+    }
+}
+
+impl AsRef<[u8]> for ShardBytes {
+    fn as_ref(&self) -> &[u8] {
+        self
     }
 }
 
