@@ -163,7 +163,7 @@ def read_raw(tmp, total):
     return 0, got
 
 
-def start_daemon(tmp, datasets, binary=None):
+def start_daemon(tmp, datasets, binary=None, timeout=30):
     if binary is None:
         binary = ROOT / "target" / "release" / "shardd"
         subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
@@ -175,7 +175,7 @@ def start_daemon(tmp, datasets, binary=None):
             shards = ", ".join(f'"{p}"' for p in paths)
             f.write(f"[datasets.{name}]\nshards = [{shards}]\nshuffle_buffer = 1000\n")
     proc = subprocess.Popen([str(binary), "serve", "--config", config], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while not os.path.exists(sock):
         if time.monotonic() > deadline or proc.poll() is not None:
             raise RuntimeError("shardd did not start")
