@@ -21,8 +21,10 @@ import os
 import random
 import socket
 import struct
+import threading
 import time
 import weakref
+from collections import deque
 
 MAGIC = b"SHARDD"
 VERSION = 4
@@ -67,6 +69,14 @@ RETRY_CODES = frozenset({"shutdown", "busy"})
 # connect() errors that mean "no daemon listens there right now": the socket file is gone
 # (a stopped daemon removes it), stale (a killed one leaves it), or the backlog is full.
 _RETRY_CONNECT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN})
+
+# Read-ahead (``Client(readahead=)``): a stream's background thread stops receiving once this
+# many bytes of batches wait to be yielded (it may hold one batch more: it checks before a
+# batch, whose size it does not know yet). 0 turns the thread off.
+READAHEAD = 4 << 20
+# How long close() waits for a stream's thread to let go of the socket (it exits at once: the
+# socket is shut down under it), before leaving the closing to the thread.
+_JOIN_TIMEOUT = 5.0
 
 log = logging.getLogger("shardd")
 
@@ -180,15 +190,39 @@ class Client:
     ``timeout``: a socket timeout in seconds (None blocks; a timeout turns off the direct
     receive of large fields). ``reconnect_timeout``: how long a stream keeps trying to reach a
     daemon that went away, in seconds (default 300; 0 turns reconnecting off; ``float("inf")``
-    never gives up); see ``Stream``."""
+    never gives up); see ``Stream``.
 
-    def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT):
+    ``readahead``: bytes of batches each stream may receive ahead of the caller (default 4 MiB,
+    ``READAHEAD``): a background thread per stream receives and decodes the next batches while
+    the trainer works, and stops once this many bytes wait (plus at most one batch: ~1 MiB, or
+    one sample when a sample is larger), so a paused trainer's stream is parked by the daemon as
+    without it. 0: no thread, the caller's ``next`` reads the socket itself.
+
+    ``prefetch_next_epoch`` (with read-ahead on): when a stream's thread has received its END,
+    it opens the same stream of the next epoch (``start`` 0, no ``resume_from``), so that its
+    first shuffle window is ready when ``stream()`` asks for exactly that: ``stream()`` then
+    hands over the open stream. It is the same request a fresh ``stream()`` sends (same samples
+    in the same order) and the finished stream's connection is closed first, so the daemon
+    serves no more connections than the caller would. At most one per stream; an unclaimed one
+    is closed by ``close()`` or when ``stream()`` opens another epoch (or ``start``) of that
+    (dataset, rank, worker). A refused or failed speculative open is dropped silently."""
+
+    def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
+                 readahead=READAHEAD, prefetch_next_epoch=True):
         self.socket_path = str(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
+        self.readahead = max(0, int(readahead))
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
         # Weak: a stream the caller dropped (``break`` out of the loop) is collected and its
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
+        # Speculative next-epoch streams, by _slot(request): (request, stream). Strong: nobody
+        # else holds them until stream() claims them.
+        self._spec = {}
+        self._spec_lock = threading.Lock()
+        self._generation = 0  # close() counts: a stream opened ahead across one is not kept
+        self._pid = os.getpid()
 
     def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0,
                resume_from=None):
@@ -211,10 +245,66 @@ class Client:
         request["start"] = int(start)
         if resume_from is not None:
             request["resume_from"] = _origin(resume_from)
-        s = Stream(self.socket_path, request, self.timeout, self._open.discard,
-                   self.reconnect_timeout)
+        s = self._claim(request)
+        if s is None:
+            s = Stream(self.socket_path, request, self.timeout, self._open.discard,
+                       self.reconnect_timeout, readahead=self.readahead,
+                       prefetch=self._prefetcher())
         self._open.add(s)
         return s
+
+    def _prefetcher(self):
+        if not (self.readahead and self.prefetch_next_epoch):
+            return None
+        # Weak: a stream must not keep its client (and the client's speculative streams) alive.
+        method = weakref.WeakMethod(self._prefetch)
+        return lambda request: (m := method()) is not None and m(request)
+
+    def _claim(self, request):
+        """The speculative stream opened for exactly ``request``, taken out of the client (None
+        if there is none); one for another epoch or start of the same slot is closed."""
+        self._forked()
+        with self._spec_lock:
+            held = self._spec.pop(_slot(request), None)
+        if held is None:
+            return None
+        spec_request, s = held
+        if spec_request != request or not s._claim():
+            s.close()
+            return None
+        return s
+
+    def _forked(self):
+        """In a child after fork, the parent's speculative streams are not this process's (they
+        were disowned by ``_after_fork_in_child``) and a parent's thread may have held the lock."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._spec_lock = threading.Lock()
+            self._spec = {}
+
+    def _prefetch(self, request):
+        """In a stream's thread, once it received END: opens the next epoch of ``request``
+        and keeps it for ``stream()``. Failures are dropped: the caller opens it as usual."""
+        nxt = dict(request, epoch=request["epoch"] + 1, start=0)
+        nxt.pop("resume_from", None)  # an elastic resume covers its own epoch only
+        key = _slot(nxt)
+        self._forked()
+        with self._spec_lock:
+            if key in self._spec:
+                return
+            generation = self._generation
+        try:
+            s = Stream(self.socket_path, dict(nxt), self.timeout, self._open.discard,
+                       self.reconnect_timeout, readahead=self.readahead,
+                       prefetch=self._prefetcher(), speculative=True)
+        except Exception as e:
+            log.debug("did not open the next epoch of %s ahead: %s", key, e)
+            return
+        with self._spec_lock:
+            if generation == self._generation and key not in self._spec:
+                self._spec[key] = (nxt, s)
+                return
+        s.close()
 
     def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1,
              resume_from=None):
@@ -234,7 +324,13 @@ class Client:
             return dict(s.start_fields)
 
     def close(self):
-        """Closes every stream still open."""
+        """Closes every stream still open, and the next-epoch streams opened ahead."""
+        self._forked()
+        with self._spec_lock:
+            self._generation += 1
+            held, self._spec = list(self._spec.values()), {}
+        for _, s in held:
+            s.close()
         for s in list(self._open):
             s.close()
 
@@ -243,6 +339,12 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _slot(request):
+    """What identifies a stream across epochs: everything but epoch, start and resume_from."""
+    return (request["dataset"], request["rank"], request["world_size"], request["worker"],
+            request["num_workers"], request["seed"])
 
 
 def _needs(request):
@@ -289,6 +391,57 @@ def _text_source(samples, names):
     return samples
 
 
+class _Queue:
+    """What a stream's read-ahead thread hands to the caller: batches (lists of samples), then
+    None (END) or an exception. Holds no reference to the stream."""
+
+    __slots__ = ("cond", "items", "bytes", "limit", "closed", "peak")
+
+    def __init__(self, limit):
+        self.cond = threading.Condition(threading.Lock())
+        self.items = deque()  # (batch | None | exception, bytes)
+        self.bytes = 0  # the BATCH body bytes of the batches in items
+        self.limit = limit
+        self.closed = False
+        self.peak = 0  # the most bytes items ever held (for tests)
+
+
+def _read_ahead(ref, q):
+    """A stream's read-ahead thread: receives batches while fewer than ``q.limit`` bytes wait.
+    It holds the stream only while receiving a batch, so a stream its caller dropped is
+    collected (and closed) instead of being kept alive by its thread."""
+    cond = q.cond
+    try:
+        while True:
+            with cond:
+                while q.bytes >= q.limit and not q.closed:
+                    cond.wait()
+                if q.closed:
+                    return
+            s = ref()
+            if s is None:
+                return
+            item, size = s._receive()
+            after = s._after_end() if item is None else None
+            s = None  # the caller may have dropped the stream meanwhile: let it go
+            with cond:
+                if not q.closed:
+                    q.items.append((item, size))
+                    q.bytes += size
+                    if q.bytes > q.peak:
+                        q.peak = q.bytes
+                    cond.notify_all()
+            if item.__class__ is not list:
+                if after is not None:
+                    after()
+                return
+    finally:
+        s = ref()
+        if s is not None and s._closed:
+            s._drop_connection()  # close() gave up waiting for us, or we are what closed it
+        s = None
+
+
 class Stream:
     """One stream: iterate it for samples. ``shards`` is how many shards it reads (``samples``,
     ``dropped``, ``fingerprint``: see PROTOCOL.md; ``start_fields``: the whole START, as a
@@ -305,7 +458,8 @@ class Stream:
     socket path is named in that first warning. ``reconnects`` counts the outages survived."""
 
     def __init__(self, socket_path, request, timeout=None, on_close=None,
-                 reconnect_timeout=RECONNECT_TIMEOUT):
+                 reconnect_timeout=RECONNECT_TIMEOUT, readahead=0, prefetch=None,
+                 speculative=False):
         self._closed = False
         self._sock = None
         self._lo = 0  # first unread byte
@@ -319,9 +473,16 @@ class Stream:
         self._direct = timeout is None
         self._buf = bytearray(_INITIAL_BUFFER)
         self._mv = memoryview(self._buf)
-        self._pending = []
-        self._pos = 0
-        self._base = 0
+        self._pending = []  # the batch being yielded
+        self._pos = 0  # samples of it yielded
+        self._given = 0  # samples yielded before it (``start`` included): see ``position``
+        self._base = 0  # samples received in whole batches: where a reconnect resumes
+        self._batch_bytes = 0  # the BATCH body size of the last batch read
+        self._queue = None  # read-ahead: what the thread hands over (None: no thread)
+        self._thread = None
+        self._prefetch = prefetch  # called with the request once the thread received END
+        self._speculative = speculative  # opened ahead by the client; not claimed yet
+        self._ended = False  # the thread received END (read-ahead only)
         self.end = None
         self.fingerprint = None  # set by the first START
         self.reconnects = 0
@@ -329,7 +490,21 @@ class Stream:
         self._forked_from = None  # the pid that opened the stream, once inherited by a child
         _LIVE.add(self)
         try:
-            self._connect()
+            if speculative:
+                # Opened ahead: a daemon that is busy or away is not waited for.
+                self._reconnect_timeout = 0.0
+                try:
+                    self._connect()
+                finally:
+                    self._reconnect_timeout = reconnect_timeout
+            else:
+                self._connect()
+            if readahead > 0:
+                self._queue = q = _Queue(readahead)
+                self._thread = threading.Thread(
+                    target=_read_ahead, args=(weakref.ref(self), q), daemon=True,
+                    name=f"shardd read-ahead {request['dataset']} epoch {request['epoch']}")
+                self._thread.start()
         except BaseException:
             self.close()
             raise
@@ -343,70 +518,178 @@ class Stream:
             sample = pending[self._pos]
             self._pos += 1
             return sample
-        if self.end is not None or self._closed:
+        return self._next_batch()
+
+    def _next_batch(self):
+        """The first sample of the next batch: from the read-ahead queue, or read here."""
+        if self._closed:
             if self._forked_from is not None:
                 raise ForkedStreamError(
                     f"this shardd stream was opened in process {self._forked_from} and inherited "
                     f"across fork by process {os.getpid()}: open streams in the process that "
                     f"reads them (after the fork)")
             raise StopIteration
+        self._given += len(self._pending)
+        self._pending, self._pos = [], 0
         try:
-            return self._next_batch()
-        except StopIteration:
-            raise
+            batch = self._fetch() if self._queue is None else self._take_batch()
         except BaseException:
-            # A failed read leaves the byte stream at an unknown position: never read on.
+            # The end, or a failed read: the byte stream is at an unknown position, never read
+            # on. (An error from the thread comes after every sample received before it.)
             self.close()
             raise
+        self._pending = batch
+        self._pos = 1
+        return batch[0]
 
-    def _next_batch(self):
-        # Every sample decoded so far was yielded: ``_base`` is where a reconnect resumes.
-        self._base += len(self._pending)
-        self._pending, self._pos = [], 0
+    def _fetch(self):
+        """Reads the next batch, reconnecting as needed; StopIteration at END."""
         while True:
             try:
-                return self._read_frames()
+                batch = self._read_frames()
             except StopIteration:
                 raise
             except Exception as e:
+                if self._closed:
+                    raise ConnectionLostError(f"the stream of {self._describe()} was closed") from e
                 self._recover(e)
+                continue
+            # Every sample of it will be yielded: a reconnect resumes after it.
+            self._base += len(batch)
+            return batch
 
     def _read_frames(self):
+        """The next batch (a non-empty list of samples); StopIteration after END."""
         while True:
             kind, length = self._frame_header()
             if kind == KIND_BATCH:
-                self._pending = pending = self._read_batch(length)
+                self._batch_bytes = length
+                pending = self._read_batch(length)
                 if pending:
-                    self._pos = 1
-                    return pending[0]
+                    return pending
             elif kind == KIND_END:
                 self.end = self._json(length, "END")
-                self.close()
                 raise StopIteration
             else:
                 self._unexpected(kind, length)
 
+    # -- read-ahead (the stream's thread and the caller's side of its queue) ----------------
+
+    def _receive(self):
+        """In the thread: (the next batch, its size in bytes), or (None, 0) at END, or (the
+        exception, 0). After END or an error the connection is closed (the daemon's slot
+        freed at once)."""
+        try:
+            return self._fetch(), self._batch_bytes
+        except StopIteration:
+            self._drop_connection()
+            return None, 0
+        except BaseException as e:
+            self._drop_connection()
+            return e, 0
+
+    def _after_end(self):
+        """In the thread, after END: the call that opens the next epoch ahead, if this stream
+        is to (not while it is itself an unclaimed speculative stream)."""
+        with self._queue.cond:
+            self._ended = True
+            if self._speculative or self._prefetch is None:
+                return None
+        prefetch, request = self._prefetch, dict(self._request)
+        return lambda: prefetch(request)
+
+    def _claim(self):
+        """``Client.stream()`` takes this speculative stream. False if it cannot be used."""
+        if self._closed or self._queue is None:
+            return False
+        with self._queue.cond:
+            self._speculative = False
+            ended = self._ended
+        if ended and self._prefetch is not None:
+            # Its thread reached END before anyone claimed it (a short epoch): open the next
+            # epoch now, in the background as the thread would have.
+            threading.Thread(target=self._prefetch, args=(dict(self._request),),
+                             daemon=True).start()
+        return True
+
+    def _take_batch(self):
+        """The caller's side: the next item the thread queued (waits for it)."""
+        q = self._queue
+        with q.cond:
+            while not q.items:
+                if not q.cond.wait(1.0) and not q.items and not self._thread.is_alive():
+                    raise ProtocolError(f"the read-ahead thread of {self._describe()} ended "
+                                        f"without a word")
+            item, size = q.items.popleft()
+            q.bytes -= size
+            q.cond.notify_all()
+        if item.__class__ is list:
+            return item
+        if item is None:
+            raise StopIteration
+        raise item
+
+    def _nap(self, seconds):
+        """Sleeps between reconnect attempts; a closed stream's thread wakes at once."""
+        q = self._queue
+        if q is None:
+            time.sleep(seconds)
+        else:
+            with q.cond:
+                q.cond.wait_for(lambda: q.closed, seconds)
+
     @property
     def position(self):
         """Samples of this epoch's stream delivered so far, including the ``start`` skipped:
-        what to pass as ``start`` to resume right after the last sample yielded."""
-        return self._base + self._pos
+        what to pass as ``start`` to resume right after the last sample yielded. (Samples the
+        read-ahead thread received but the caller was not given are not counted.)"""
+        return self._given + self._pos
+
+    @property
+    def readahead_bytes(self):
+        """(bytes of batches waiting in the read-ahead queue now, the most it ever held)."""
+        q = self._queue
+        return (0, 0) if q is None else (q.bytes, q.peak)
 
     def close(self):
-        if not self._closed:
-            self._closed = True
+        """Stops the stream: its thread (the socket is shut down under it, so a blocked
+        receive returns at once) and its connection."""
+        if self._closed:
+            return
+        self._closed = True
+        q, t = self._queue, self._thread
+        if q is not None:
+            with q.cond:
+                q.closed = True
+                q.items.clear()
+                q.bytes = 0
+                q.cond.notify_all()
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            sock = self._sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            t.join(_JOIN_TIMEOUT)
+            if not t.is_alive():
+                self._drop_connection()
+            # else the thread closes the socket when it gets out of its call
+        else:
             self._drop_connection()
-            _LIVE.discard(self)
-            if self._on_close is not None:
-                self._on_close(self)
+        _LIVE.discard(self)
+        if self._on_close is not None:
+            self._on_close(self)
 
     def _inherited(self):
         """In a child after fork: close this process's copy of the socket (the parent's
         connection stays open) and refuse to read on. Checked only once the samples already
-        decoded are gone, so the per-sample path costs nothing."""
+        decoded are gone, so the per-sample path costs nothing. The read-ahead thread did not
+        survive the fork (and may have held the queue's lock): both are forgotten."""
         if not self._closed:
             self._forked_from = os.getppid()
             self._pending, self._pos = [], 0
+            self._queue = self._thread = None
             self.close()
 
     def __enter__(self):
@@ -480,6 +763,8 @@ class Stream:
                 if self._closed:
                     raise ConnectionLostError(f"the stream of {self._describe()} was closed")
                 start = self._handshake()
+                if self._closed:  # closed meanwhile (by the caller, the thread being here)
+                    raise ConnectionLostError(f"the stream of {self._describe()} was closed")
                 break
             except Exception as e:
                 self._drop_connection()
@@ -500,7 +785,7 @@ class Stream:
                     raise UnavailableError(
                         f"{what} within reconnect_timeout = {self._reconnect_timeout:g} s "
                         f"({now - began:.1f} s, {attempts} attempts); last: {cause}") from e
-                time.sleep(min(delay * random.uniform(0.5, 1.0), deadline - now))
+                self._nap(min(delay * random.uniform(0.5, 1.0), deadline - now))
                 delay = min(2 * delay, _BACKOFF_CAP)
         self._started(start)
         if attempts > 1 or lost is not None:
@@ -527,7 +812,7 @@ class Stream:
             self.dropped = start.get("dropped", 0)
             self.fingerprint = fingerprint
             # Where the stream started (the request's ``start``); see ``position``.
-            self._base = position
+            self._base = self._given = position
             self.start_fields = start
             return
         if (fingerprint, samples) != (self.fingerprint, self.samples):
