@@ -617,6 +617,8 @@ class Stream:
         q = self._queue
         with q.cond:
             while not q.items:
+                if q.closed:  # closed from another thread while this one waited
+                    raise StopIteration
                 if not q.cond.wait(1.0) and not q.items and not self._thread.is_alive():
                     raise ProtocolError(f"the read-ahead thread of {self._describe()} ended "
                                         f"without a word")

@@ -1,0 +1,227 @@
+"""The client's read-ahead thread and its next-epoch stream opened ahead, against a real daemon
+(and, for a daemon that sends nothing, a fake one on a real socket)."""
+
+import gc
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+
+import shardd
+from shardd.client import KIND_START, PREAMBLE
+
+from conftest import BIG_SAMPLE, BIG_SHARDS, gcs_config, wait_for
+
+
+def fields(samples):
+    return [(s["__key__"], s["__url__"], sorted((k, v) for k, v in s.items()
+                                               if not k.startswith("__"))) for s in samples]
+
+
+def read(socket_path, epoch=0, dataset="train", **kw):
+    with shardd.Client(socket_path, readahead=0) as c:
+        return list(c.stream(dataset, epoch=epoch, rank=0, world_size=1, **kw))
+
+
+def opened(d, dataset="train"):
+    """Streams of ``dataset`` the daemon has sent a first sample on."""
+    try:
+        return d.metric(f'shardd_first_sample_seconds_count{{dataset="{dataset}"}}')
+    except KeyError:
+        return 0
+
+
+def ended(d, outcome, dataset="train"):
+    try:
+        return d.metric(f'shardd_streams_total{{dataset="{dataset}",outcome="{outcome}"}}')
+    except KeyError:
+        return 0
+
+
+def test_read_ahead_yields_the_socket_paths_samples_and_counts_only_what_was_yielded(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    want = read(d.socket, seed=3)
+    assert len(want) > 100
+    with shardd.Client(d.socket) as c:
+        s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
+        got = [next(s)]
+        # The thread receives ahead of the caller (here the whole epoch, ~1 MB, and its END);
+        # the position counts what was yielded.
+        wait_for(lambda: not s._thread.is_alive(), "the thread to receive the whole stream")
+        assert s.position == 1
+        got += [next(s) for _ in range(9)]
+        assert s.position == 10
+        got += list(s)
+        assert s.position == len(want)
+        assert s.end["samples"] == len(want)
+    assert fields(got) == fields(want)
+    # Resuming at a position taken mid-stream with read-ahead gives exactly the rest.
+    with shardd.Client(d.socket) as c:
+        s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
+        head = [next(s) for _ in range(37)]
+        wait_for(lambda: not s._thread.is_alive(), "the thread to receive the whole stream")
+        at = s.position
+        s.close()
+        rest = list(c.stream("train", epoch=0, rank=0, world_size=1, seed=3, start=at))
+    assert at == 37 and fields(head + rest) == fields(want)
+
+
+def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs):
+    """8 MiB samples, one per batch, a 1-byte bound: the thread holds one batch and stops
+    (the daemon ends up blocked on the client) instead of receiving the whole stream."""
+    d = make_daemon(gcs_config(fake_gcs))
+    with shardd.Client(d.socket, readahead=1) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        first = next(s)
+        wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to receive the next batch")
+        wait_for(lambda: [x["waiting_on"] for x in d.status()["streams"]] == ["client"],
+                 "the daemon to wait for the client")
+        queued, peak = s.readahead_bytes
+        assert BIG_SAMPLE < queued == peak < 2 * BIG_SAMPLE
+        rest = list(s)
+        assert s.readahead_bytes[1] == peak
+    assert len([first] + rest) == BIG_SHARDS
+    # A larger bound: still never more than the bound plus the batch that crossed it.
+    with shardd.Client(d.socket, readahead=3 * BIG_SAMPLE) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        next(s)
+        wait_for(lambda: s.readahead_bytes[0] >= 3 * BIG_SAMPLE, "the queue to fill")
+        wait_for(lambda: [x["waiting_on"] for x in d.status()["streams"]] == ["client"],
+                 "the daemon to wait for the client")
+        queued, peak = s.readahead_bytes
+        assert 3 * BIG_SAMPLE <= peak < 4 * BIG_SAMPLE + (1 << 20)
+        assert len(list(s)) == BIG_SHARDS - 1
+
+
+def test_a_trainer_paused_past_the_stall_timeout_gets_the_same_samples(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "1s"')
+    want = read(d.socket, dataset="big")
+    with shardd.Client(d.socket, readahead=1) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        first = next(s)
+        wait_for(lambda: d.metric("shardd_streams_parked") == 1, "the stream to park")
+        assert s.position == 1
+        rest = list(s)
+    assert d.metric("shardd_stream_parks_total") >= 1
+    assert [(x["__key__"], x["bin"]) for x in [first] + rest] == [(x["__key__"], x["bin"]) for x in want]
+
+
+class SilentDaemon:
+    """Answers a request with a START and then sends nothing (a daemon waiting for data)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(8)
+        self.conns = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            start = json.dumps({"dataset": "train", "shards": 1, "samples": None, "position": 0,
+                                "fingerprint": "f"}).encode()
+            conn.sendall(PREAMBLE + struct.pack("<IB", len(start), KIND_START) + start)
+
+    def close(self):
+        self.srv.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_close_while_the_thread_waits_on_the_socket_returns_at_once(tmp_path):
+    daemon = SilentDaemon(str(tmp_path / "silent.sock"))
+    try:
+        c = shardd.Client(daemon.path, reconnect_timeout=30)
+        s = c.stream("train", epoch=0, rank=0, world_size=1)
+        thread = s._thread
+        assert thread.is_alive()
+        waiter = threading.Thread(target=lambda: next(s, None), daemon=True)
+        waiter.start()  # a caller blocked in next() too
+        wait_for(lambda: daemon.conns, "the connection")
+        began = time.monotonic()
+        c.close()
+        assert time.monotonic() - began < 2.0
+        assert not thread.is_alive()
+        assert s._sock is None
+        waiter.join(2.0)
+        assert not waiter.is_alive()
+        assert next(s, "over") == "over"
+    finally:
+        daemon.close()
+
+
+def test_a_dropped_stream_is_collected_and_its_connection_closed(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    c = shardd.Client(d.socket, readahead=1)
+    s = c.stream("big", epoch=0, rank=0, world_size=1)
+    next(s)
+    wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to fill its queue")
+    thread, ref = s._thread, weakref.ref(s)
+    del s
+    gc.collect()
+    wait_for(lambda: ref() is None, "the stream to be collected")
+    thread.join(5)
+    assert not thread.is_alive()
+    wait_for(lambda: d.metric("shardd_streams_active") == 0, "the daemon to see the stream go")
+    assert ended(d, "cancelled", "big") == 1
+
+
+def test_the_next_epoch_is_opened_ahead_and_taken_by_stream(make_daemon, fake_gcs):
+    """8 MiB samples and a 1-byte bound: the stream opened ahead stops after a batch (it does
+    not run to its end on its own), and is either taken or cancelled."""
+    d = make_daemon(gcs_config(fake_gcs))
+    want = [read(d.socket, epoch=e, dataset="big", seed=5) for e in range(3)]
+    base = opened(d, "big")
+    assert base == 3 and fields(want[0]) != fields(want[1])
+    with shardd.Client(d.socket, readahead=1) as c:
+        for e in range(3):
+            s = c.stream("big", epoch=e, rank=0, world_size=1, seed=5)
+            got = list(s)
+            assert fields(got) == fields(want[e]) and s.position == BIG_SHARDS
+            # Once epoch e was received, epoch e + 1 is opened ahead (one stream only).
+            wait_for(lambda: opened(d, "big") == base + e + 2, f"epoch {e + 1} to be opened ahead")
+        assert opened(d, "big") == base + 4
+        assert ended(d, "completed", "big") == 3 + 3
+        assert list(c._spec) == [("big", 0, 1, 0, 1, 5)]
+    # The unclaimed one (epoch 3) was closed with the client.
+    wait_for(lambda: d.metric("shardd_streams_active") == 0, "the stream opened ahead to close")
+    assert ended(d, "cancelled", "big") == 1
+
+
+def test_a_next_epoch_opened_ahead_is_not_used_for_another_request(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    want = read(d.socket, epoch=1, dataset="big")
+    with shardd.Client(d.socket, readahead=1) as c:
+        list(c.stream("big", epoch=0, rank=0, world_size=1))
+        wait_for(lambda: opened(d, "big") == 3, "epoch 1 to be opened ahead")
+        # Epoch 1 from sample 2 is another request: the stream opened ahead is closed and a
+        # new one reads exactly the rest.
+        got = list(c.stream("big", epoch=1, rank=0, world_size=1, start=2))
+        assert fields(got) == fields(want[2:])
+        wait_for(lambda: ended(d, "cancelled", "big") == 1, "the stream opened ahead to be closed")
+        wait_for(lambda: opened(d, "big") == 5, "epoch 2 to be opened ahead")
+        # Another slot (seed 9) leaves that one alone.
+        list(c.stream("big", epoch=0, rank=0, world_size=1, seed=9))
+        wait_for(lambda: opened(d, "big") == 7, "epoch 1 of seed 9 to be opened ahead")
+        assert sorted(c._spec) == [("big", 0, 1, 0, 1, 0), ("big", 0, 1, 0, 1, 9)]
+        assert ended(d, "cancelled", "big") == 1
+    wait_for(lambda: d.metric("shardd_streams_active") == 0, "every stream to close")
+    assert ended(d, "cancelled", "big") == 3
+
+
+def test_without_read_ahead_nothing_runs_in_the_background(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    with shardd.Client(d.socket, readahead=0) as c:
+        s = c.stream("train", epoch=0, rank=0, world_size=1)
+        assert s._thread is None
+        n = len(list(s))
+    assert opened(d) == 1 and n > 0
