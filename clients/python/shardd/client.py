@@ -977,25 +977,24 @@ class Stream:
         if max_piece >= DIRECT_MIN and self._direct:
             return _text_source(self._read_pieces(n, names, urls, words), names)
 
-        # Fast path: the whole payload through the buffer, one tight loop.
-        self._fill(payload, payload)
-        buf, mv = self._buf, self._mv
-        p = self._lo
-        self._lo += payload
+        # Fast path: every piece is small. The whole payload as one bytes object (at least
+        # DIRECT_MIN bytes: received straight into it), cut with slices: one copy per piece, and
+        # no memoryview object per piece.
+        data = self._take(payload)
         out = []
         append = out.append
-        i = 0
+        p = i = 0
         for _ in range(n):
             head = words[i]
-            klen = words[i + 1]
+            q = p + words[i + 1]
+            sample = {"__key__": str(data[p:q], "utf-8"), "__url__": urls[head & 0xFFFF]}
             i += 2
-            sample = {"__key__": str(mv[p : p + klen], "utf-8"), "__url__": urls[head & 0xFFFF]}
-            p += klen
             for _ in range(head >> 16):
-                ln = words[i + 1]
-                sample[names[words[i]]] = mv[p : p + ln].tobytes()
-                p += ln
+                p = q
+                q += words[i + 1]
+                sample[names[words[i]]] = data[p:q]
                 i += 2
+            p = q
             append(sample)
         return _text_source(out, names)
 
