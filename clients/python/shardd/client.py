@@ -1,11 +1,17 @@
 """The client side of proto/PROTOCOL.md (version 4).
 
-Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
-(keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
-batch's descriptors are decoded with a single ``struct.unpack_from``; large pieces (at least
-``DIRECT_MIN`` bytes) are received straight into their own ``bytes`` object with
-``MSG_WAITALL``, so the kernel copies them exactly once. Reads are bounded so the buffer never
-runs ahead into a large piece.
+Speed matters here: the trainer's Python process is where every sample ends up. A whole
+batch's descriptors are decoded with a single ``struct.unpack_from``; a batch of small pieces
+(keys, labels, 10 KB images) is received as one ``bytes`` object and cut with slices; large
+pieces (at least ``DIRECT_MIN`` bytes) are received straight into their own ``bytes`` object
+with ``MSG_WAITALL``, so the kernel copies them exactly once. Reads are bounded so the buffer
+never runs ahead into a large piece.
+
+Read-ahead (``Client(readahead=)``, on by default): a thread per stream receives and decodes
+the next batches into a queue bounded in bytes while the trainer works, and the stream's
+``__next__`` takes them from it. The thread holds the stream only while it receives a batch
+(a weak reference otherwise), so a dropped stream is collected and closed. Once the thread
+has received END it may open the next epoch's stream ahead (``Client(prefetch_next_epoch=)``).
 
 A stream survives a daemon restart (PROTOCOL.md, "Reconnecting"): when its connection is cut,
 or the daemon says ``shutdown`` or ``busy``, or nothing listens at the socket, it connects
@@ -455,7 +461,12 @@ class Stream:
     ``PlanChangedError``). One warning per outage goes to the ``shardd`` logger, and an info
     line when the stream resumed. Opening the stream waits for the daemon the same way, so a
     DataLoader worker that opens an epoch while the daemon restarts goes on too; a wrong
-    socket path is named in that first warning. ``reconnects`` counts the outages survived."""
+    socket path is named in that first warning. ``reconnects`` counts the outages survived.
+
+    With read-ahead (``readahead`` bytes, > 0) a thread receives the batches and all of the
+    above runs in it: its errors reach the caller in order, after the samples received before
+    them. ``position`` counts the samples yielded; ``readahead_bytes`` is (bytes queued now,
+    the most ever queued)."""
 
     def __init__(self, socket_path, request, timeout=None, on_close=None,
                  reconnect_timeout=RECONNECT_TIMEOUT, readahead=0, prefetch=None,
