@@ -10,6 +10,7 @@ import threading
 import time
 import weakref
 
+import pytest
 import shardd
 from shardd.client import KIND_START, PREAMBLE
 
@@ -45,7 +46,7 @@ def test_read_ahead_yields_the_socket_paths_samples_and_counts_only_what_was_yie
     d = make_daemon(gcs_config(fake_gcs))
     want = read(d.socket, seed=3)
     assert len(want) > 100
-    with shardd.Client(d.socket) as c:
+    with shardd.Client(d.socket, eager_readahead=True) as c:
         s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
         got = [next(s)]
         # The thread receives ahead of the caller (here the whole epoch, ~1 MB, and its END);
@@ -59,7 +60,7 @@ def test_read_ahead_yields_the_socket_paths_samples_and_counts_only_what_was_yie
         assert s.end["samples"] == len(want)
     assert fields(got) == fields(want)
     # Resuming at a position taken mid-stream with read-ahead gives exactly the rest.
-    with shardd.Client(d.socket) as c:
+    with shardd.Client(d.socket, eager_readahead=True) as c:
         s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
         head = [next(s) for _ in range(37)]
         wait_for(lambda: not s._thread.is_alive(), "the thread to receive the whole stream")
@@ -73,7 +74,7 @@ def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs)
     """8 MiB samples, one per batch, a 1-byte bound: the thread holds one batch and stops
     (the daemon ends up blocked on the client) instead of receiving the whole stream."""
     d = make_daemon(gcs_config(fake_gcs))
-    with shardd.Client(d.socket, readahead=1) as c:
+    with shardd.Client(d.socket, readahead=1, eager_readahead=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
         first = next(s)
         wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to receive the next batch")
@@ -85,7 +86,7 @@ def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs)
         assert s.readahead_bytes[1] == peak
     assert len([first] + rest) == BIG_SHARDS
     # A larger bound: still never more than the bound plus the batch that crossed it.
-    with shardd.Client(d.socket, readahead=3 * BIG_SAMPLE) as c:
+    with shardd.Client(d.socket, readahead=3 * BIG_SAMPLE, eager_readahead=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
         next(s)
         wait_for(lambda: s.readahead_bytes[0] >= 3 * BIG_SAMPLE, "the queue to fill")
@@ -99,9 +100,10 @@ def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs)
 def test_a_trainer_paused_past_the_stall_timeout_gets_the_same_samples(make_daemon, fake_gcs):
     d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "1s"')
     want = read(d.socket, dataset="big")
-    with shardd.Client(d.socket, readahead=1) as c:
+    with shardd.Client(d.socket, readahead=1, eager_readahead=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
         first = next(s)
+        assert s._thread is not None
         wait_for(lambda: d.metric("shardd_streams_parked") == 1, "the stream to park")
         assert s.position == 1
         rest = list(s)
@@ -140,7 +142,7 @@ class SilentDaemon:
 def test_close_while_the_thread_waits_on_the_socket_returns_at_once(tmp_path):
     daemon = SilentDaemon(str(tmp_path / "silent.sock"))
     try:
-        c = shardd.Client(daemon.path, reconnect_timeout=30)
+        c = shardd.Client(daemon.path, reconnect_timeout=30, eager_readahead=True)
         s = c.stream("train", epoch=0, rank=0, world_size=1)
         thread = s._thread
         assert thread.is_alive()
@@ -161,7 +163,7 @@ def test_close_while_the_thread_waits_on_the_socket_returns_at_once(tmp_path):
 
 def test_a_dropped_stream_is_collected_and_its_connection_closed(make_daemon, fake_gcs):
     d = make_daemon(gcs_config(fake_gcs))
-    c = shardd.Client(d.socket, readahead=1)
+    c = shardd.Client(d.socket, readahead=1, eager_readahead=True)
     s = c.stream("big", epoch=0, rank=0, world_size=1)
     next(s)
     wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to fill its queue")
@@ -175,26 +177,34 @@ def test_a_dropped_stream_is_collected_and_its_connection_closed(make_daemon, fa
     assert ended(d, "cancelled", "big") == 1
 
 
-def test_the_next_epoch_is_opened_ahead_and_taken_by_stream(make_daemon, fake_gcs):
-    """8 MiB samples and a 1-byte bound: the stream opened ahead stops after a batch (it does
-    not run to its end on its own), and is either taken or cancelled."""
+def streams(d, dataset="big"):
+    """Streams of ``dataset`` the daemon has opened: ended (any outcome) or active."""
+    return (ended(d, "completed", dataset) + ended(d, "cancelled", dataset)
+            + ended(d, "failed", dataset) + d.metric("shardd_streams_active"))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["drained", "thread"])
+def test_the_next_epoch_is_opened_ahead_and_taken_by_stream(make_daemon, fake_gcs, eager):
+    """8 MiB samples: the stream opened ahead is not read until it is taken (the daemon fills
+    its first window and its socket), so it is either taken or cancelled, never completed on
+    its own."""
     d = make_daemon(gcs_config(fake_gcs))
     want = [read(d.socket, epoch=e, dataset="big", seed=5) for e in range(3)]
-    base = opened(d, "big")
-    assert base == 3 and fields(want[0]) != fields(want[1])
-    with shardd.Client(d.socket, readahead=1) as c:
+    assert streams(d) == 3 and fields(want[0]) != fields(want[1])
+    with shardd.Client(d.socket, readahead=1, eager_readahead=eager) as c:
         for e in range(3):
             s = c.stream("big", epoch=e, rank=0, world_size=1, seed=5)
             got = list(s)
             assert fields(got) == fields(want[e]) and s.position == BIG_SHARDS
             # Once epoch e was received, epoch e + 1 is opened ahead (one stream only).
-            wait_for(lambda: opened(d, "big") == base + e + 2, f"epoch {e + 1} to be opened ahead")
-        assert opened(d, "big") == base + 4
+            wait_for(lambda: d.metric("shardd_streams_active") == 1,
+                     f"epoch {e + 1} to be opened ahead")
+            assert streams(d) == 3 + e + 2
         assert ended(d, "completed", "big") == 3 + 3
         assert list(c._spec) == [("big", 0, 1, 0, 1, 5)]
     # The unclaimed one (epoch 3) was closed with the client.
     wait_for(lambda: d.metric("shardd_streams_active") == 0, "the stream opened ahead to close")
-    assert ended(d, "cancelled", "big") == 1
+    assert ended(d, "cancelled", "big") == 1 and streams(d) == 3 + 4
 
 
 def test_a_next_epoch_opened_ahead_is_not_used_for_another_request(make_daemon, fake_gcs):
@@ -202,18 +212,20 @@ def test_a_next_epoch_opened_ahead_is_not_used_for_another_request(make_daemon, 
     want = read(d.socket, epoch=1, dataset="big")
     with shardd.Client(d.socket, readahead=1) as c:
         list(c.stream("big", epoch=0, rank=0, world_size=1))
-        wait_for(lambda: opened(d, "big") == 3, "epoch 1 to be opened ahead")
+        wait_for(lambda: d.metric("shardd_streams_active") == 1, "epoch 1 to be opened ahead")
+        assert streams(d) == 3
         # Epoch 1 from sample 2 is another request: the stream opened ahead is closed and a
         # new one reads exactly the rest.
         got = list(c.stream("big", epoch=1, rank=0, world_size=1, start=2))
         assert fields(got) == fields(want[2:])
         wait_for(lambda: ended(d, "cancelled", "big") == 1, "the stream opened ahead to be closed")
-        wait_for(lambda: opened(d, "big") == 5, "epoch 2 to be opened ahead")
+        wait_for(lambda: d.metric("shardd_streams_active") == 1, "epoch 2 to be opened ahead")
+        assert streams(d) == 5
         # Another slot (seed 9) leaves that one alone.
         list(c.stream("big", epoch=0, rank=0, world_size=1, seed=9))
-        wait_for(lambda: opened(d, "big") == 7, "epoch 1 of seed 9 to be opened ahead")
+        wait_for(lambda: d.metric("shardd_streams_active") == 2, "epoch 1 of seed 9 to be opened ahead")
         assert sorted(c._spec) == [("big", 0, 1, 0, 1, 0), ("big", 0, 1, 0, 1, 9)]
-        assert ended(d, "cancelled", "big") == 1
+        assert ended(d, "cancelled", "big") == 1 and streams(d) == 7
     wait_for(lambda: d.metric("shardd_streams_active") == 0, "every stream to close")
     assert ended(d, "cancelled", "big") == 3
 
@@ -225,3 +237,23 @@ def test_without_read_ahead_nothing_runs_in_the_background(make_daemon, fake_gcs
         assert s._thread is None
         n = len(list(s))
     assert opened(d) == 1 and n > 0
+
+
+def test_the_thread_starts_when_the_caller_works_between_batches(make_daemon, fake_gcs):
+    """A caller that drains the stream reads it on its own thread (no handoffs); one that
+    spends at least a batch's receive time on a batch gets the thread from the next batch."""
+    d = make_daemon(gcs_config(fake_gcs))
+    want = read(d.socket, dataset="big")
+    with shardd.Client(d.socket) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        drained = list(s)
+        assert s._thread is None
+        s = c.stream("big", epoch=0, rank=0, world_size=1, seed=0, start=0)
+        got = [next(s)]
+        assert s._thread is None and s._took > 0
+        time.sleep(s._took)  # the trainer's work on the batch (one sample here)
+        got.append(next(s))
+        assert s._thread is not None and s.position == 2
+        got += list(s)
+    assert [x["__key__"] for x in drained] == [x["__key__"] for x in want]
+    assert fields(got) == fields(want)

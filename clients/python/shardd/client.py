@@ -202,10 +202,14 @@ class Client:
     ``READAHEAD``): a background thread per stream receives and decodes the next batches while
     the trainer works, and stops once this many bytes wait (plus at most one batch: ~1 MiB, or
     one sample when a sample is larger), so a paused trainer's stream is parked by the daemon as
-    without it. 0: no thread, the caller's ``next`` reads the socket itself.
+    without it. 0: no thread, the caller's ``next`` reads the socket itself. The thread starts
+    at the first batch boundary where the caller spent at least as long since the previous
+    batch as that batch took to receive (a trainer: at its second batch); a caller that only
+    drains the stream keeps reading it itself, as handing batches between two threads would
+    cost it throughput. ``eager_readahead=True`` starts the thread with the stream.
 
-    ``prefetch_next_epoch`` (with read-ahead on): when a stream's thread has received its END,
-    it opens the same stream of the next epoch (``start`` 0, no ``resume_from``), so that its
+    ``prefetch_next_epoch`` (with ``readahead`` > 0): when a stream has received its END, the
+    client opens the same stream of the next epoch (``start`` 0, no ``resume_from``), so that its
     first shuffle window is ready when ``stream()`` asks for exactly that: ``stream()`` then
     hands over the open stream. It is the same request a fresh ``stream()`` sends (same samples
     in the same order) and the finished stream's connection is closed first, so the daemon
@@ -214,12 +218,13 @@ class Client:
     (dataset, rank, worker). A refused or failed speculative open is dropped silently."""
 
     def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
-                 readahead=READAHEAD, prefetch_next_epoch=True):
+                 readahead=READAHEAD, prefetch_next_epoch=True, eager_readahead=False):
         self.socket_path = str(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
         self.readahead = max(0, int(readahead))
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        self.eager_readahead = bool(eager_readahead)
         # Weak: a stream the caller dropped (``break`` out of the loop) is collected and its
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
@@ -255,7 +260,7 @@ class Client:
         if s is None:
             s = Stream(self.socket_path, request, self.timeout, self._open.discard,
                        self.reconnect_timeout, readahead=self.readahead,
-                       prefetch=self._prefetcher())
+                       prefetch=self._prefetcher(), eager=self.eager_readahead)
         self._open.add(s)
         return s
 
@@ -470,7 +475,7 @@ class Stream:
 
     def __init__(self, socket_path, request, timeout=None, on_close=None,
                  reconnect_timeout=RECONNECT_TIMEOUT, readahead=0, prefetch=None,
-                 speculative=False):
+                 speculative=False, eager=False):
         self._closed = False
         self._sock = None
         self._lo = 0  # first unread byte
@@ -494,6 +499,9 @@ class Stream:
         self._prefetch = prefetch  # called with the request once the thread received END
         self._speculative = speculative  # opened ahead by the client; not claimed yet
         self._ended = False  # the thread received END (read-ahead only)
+        self._readahead = readahead
+        self._handed = None  # perf_counter when the caller got the last batch read here
+        self._took = 0.0  # how long reading that batch took
         self.end = None
         self.fingerprint = None  # set by the first START
         self.reconnects = 0
@@ -510,12 +518,8 @@ class Stream:
                     self._reconnect_timeout = reconnect_timeout
             else:
                 self._connect()
-            if readahead > 0:
-                self._queue = q = _Queue(readahead)
-                self._thread = threading.Thread(
-                    target=_read_ahead, args=(weakref.ref(self), q), daemon=True,
-                    name=f"shardd read-ahead {request['dataset']} epoch {request['epoch']}")
-                self._thread.start()
+            if readahead > 0 and eager:
+                self._start_thread()
         except BaseException:
             self.close()
             raise
@@ -543,7 +547,10 @@ class Stream:
         self._given += len(self._pending)
         self._pending, self._pos = [], 0
         try:
-            batch = self._fetch() if self._queue is None else self._take_batch()
+            if self._queue is None:
+                batch = self._read_here()
+            else:
+                batch = self._take_batch()
         except BaseException:
             # The end, or a failed read: the byte stream is at an unknown position, never read
             # on. (An error from the thread comes after every sample received before it.)
@@ -552,6 +559,37 @@ class Stream:
         self._pending = batch
         self._pos = 1
         return batch[0]
+
+    def _read_here(self):
+        """Reads the next batch on the caller's thread, unless the caller has shown that it
+        works between batches at least as long as a batch takes to receive: then the read-ahead
+        thread takes over from here. A caller that only drains the stream (a benchmark, a
+        copy) keeps reading it itself, which costs no thread handoffs."""
+        now = time.perf_counter()
+        if self._handed is not None and self._readahead > 0:
+            if now - self._handed >= self._took:
+                self._start_thread()
+                return self._take_batch()
+        try:
+            batch = self._fetch()
+        except StopIteration:
+            if self._prefetch is not None and not self._speculative:
+                self._drop_connection()  # first: the daemon's slot is free for the next one
+                threading.Thread(target=self._prefetch, args=(dict(self._request),),
+                                 daemon=True).start()
+            raise
+        self._handed = then = time.perf_counter()
+        self._took = then - now
+        return batch
+
+    def _start_thread(self):
+        """Hands the socket to a read-ahead thread (at a batch boundary)."""
+        r = self._request
+        self._queue = q = _Queue(self._readahead)
+        self._thread = threading.Thread(
+            target=_read_ahead, args=(weakref.ref(self), q), daemon=True,
+            name=f"shardd read-ahead {r['dataset']} epoch {r['epoch']}")
+        self._thread.start()
 
     def _fetch(self):
         """Reads the next batch, reconnecting as needed; StopIteration at END."""
@@ -611,8 +649,11 @@ class Stream:
 
     def _claim(self):
         """``Client.stream()`` takes this speculative stream. False if it cannot be used."""
-        if self._closed or self._queue is None:
+        if self._closed:
             return False
+        if self._queue is None:  # not read yet: nothing to check
+            self._speculative = False
+            return True
         with self._queue.cond:
             self._speculative = False
             ended = self._ended
