@@ -9,7 +9,8 @@ never runs ahead into a large piece.
 
 Read-ahead (``Client(readahead=)``, on by default): a thread per stream receives and decodes
 the next batches into a queue bounded in bytes while the trainer works, and the stream's
-``__next__`` takes them from it. The thread holds the stream only while it receives a batch
+``__next__`` takes them from it. It starts at a batch boundary once the caller has shown that
+it works between batches (a caller that only drains the stream is faster reading it itself). The thread holds the stream only while it receives a batch
 (a weak reference otherwise), so a dropped stream is collected and closed. Once the thread
 has received END it may open the next epoch's stream ahead (``Client(prefetch_next_epoch=)``).
 
