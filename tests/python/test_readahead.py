@@ -257,3 +257,64 @@ def test_the_thread_starts_when_the_caller_works_between_batches(make_daemon, fa
         got += list(s)
     assert [x["__key__"] for x in drained] == [x["__key__"] for x in want]
     assert fields(got) == fields(want)
+
+
+def test_the_threads_errors_come_after_the_samples_before_them(tmp_path):
+    """A daemon that sends two samples then an ERROR: the caller gets both samples, then the
+    DaemonError, with or without the thread."""
+    from test_errors import FAKE, PREAMBLE as P2, START, FakeDaemon, batch_frame, json_frame
+
+    def two_then_error(fake_daemon, conn):
+        fake_daemon.read_request(conn)
+        conn.sendall(P2 + json_frame(2, START) + batch_frame(FAKE[:1]) + batch_frame(FAKE[1:2])
+                     + json_frame(5, {"code": "bad_shard", "message": "boom"}))
+
+    f = FakeDaemon(tmp_path / "fake.sock", two_then_error, two_then_error)
+    try:
+        outcomes = []
+        for kw in [dict(readahead=0), dict(eager_readahead=True)]:
+            got = []
+            s = shardd.Client(f.path, reconnect_timeout=0, **kw).stream(
+                "fake", epoch=0, rank=0, world_size=1)
+            with pytest.raises(shardd.DaemonError) as e:
+                for x in s:
+                    got.append((x["__key__"], x["bin"]))
+            outcomes.append((got, e.value.code, str(e.value), s.position))
+        assert outcomes[0] == outcomes[1]
+        assert outcomes[0] == ([("k0", FAKE[0][1]["bin"]), ("k1", FAKE[1][1]["bin"])], "bad_shard",
+                               "boom", 2)
+    finally:
+        f.close()
+
+
+def test_a_timeout_keeps_its_meaning_with_the_thread(tmp_path):
+    """Client(timeout=): the daemon sent nothing for that long -> StreamTimeoutError, from the
+    thread to the caller."""
+    daemon = SilentDaemon(str(tmp_path / "silent.sock"))
+    try:
+        with shardd.Client(daemon.path, timeout=0.3, eager_readahead=True) as c:
+            s = c.stream("train", epoch=0, rank=0, world_size=1)
+            began = time.monotonic()
+            with pytest.raises(shardd.StreamTimeoutError, match="sent nothing for 0.3 s"):
+                next(s)
+            assert 0.25 < time.monotonic() - began < 10
+            assert next(s, "over") == "over"
+    finally:
+        daemon.close()
+
+
+def test_shardd_torch_takes_the_next_epoch_opened_ahead(make_daemon, fake_gcs):
+    """ShardDataset keeps its client: after epoch 0, epoch 1's stream was opened ahead and the
+    next iteration takes it (the daemon opens one stream per epoch, and the samples are those
+    of a fresh stream)."""
+    torch_ds = pytest.importorskip("shardd.torch")
+    d = make_daemon(gcs_config(fake_gcs))
+    want = [[x["__key__"] for x in read(d.socket, epoch=e, dataset="big")] for e in range(2)]
+    ds = torch_ds.ShardDataset("big", socket=d.socket, rank=0, world_size=1)
+    got = []
+    for e in range(2):
+        ds.set_epoch(e)
+        got.append([x["__key__"] for x in ds])
+        wait_for(lambda: d.metric("shardd_streams_active") == 1, f"epoch {e + 1} opened ahead")
+    assert got == want
+    assert streams(d) == 2 + 3  # the two reference reads; epochs 0, 1 and 2 (ahead)
