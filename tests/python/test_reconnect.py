@@ -118,10 +118,13 @@ def assert_resumed(caplog, socket, cause, timeout):
     return at
 
 
-def test_kill_9_and_restart_mid_stream(daemon, caplog):
+@pytest.mark.parametrize("eager", [False, True], ids=["caller", "read-ahead thread"])
+def test_kill_9_and_restart_mid_stream(daemon, caplog, eager):
+    """Read by the caller, or by the read-ahead thread (which then reconnects, and resumes
+    after the samples it had received: the caller sees the same samples)."""
     want = uninterrupted(daemon.socket)
     caplog.set_level(logging.INFO, logger="shardd")
-    with shardd.Client(daemon.socket, reconnect_timeout=30) as c:
+    with shardd.Client(daemon.socket, reconnect_timeout=30, eager_readahead=eager) as c:
         stream = c.stream("exact", epoch=0, rank=0, world_size=1)
         got = [content(next(stream)) for _ in range(5)]
         daemon.kill()  # leaves its socket file: connects are refused until the restart
@@ -132,7 +135,8 @@ def test_kill_9_and_restart_mid_stream(daemon, caplog):
     assert_resumed(caplog, daemon.socket, "connection closed by the daemon", 30)
 
 
-def test_sigterm_and_the_daemon_back_later(daemon, caplog):
+@pytest.mark.parametrize("eager", [False, True], ids=["caller", "read-ahead thread"])
+def test_sigterm_and_the_daemon_back_later(daemon, caplog, eager):
     """SIGTERM: the stream ends with a `shutdown` ERROR, the socket file goes (connects fail
     with ENOENT) until the daemon is back."""
     want = uninterrupted(daemon.socket)
@@ -145,7 +149,7 @@ def test_sigterm_and_the_daemon_back_later(daemon, caplog):
         daemon.log.close()
         daemon.start()
 
-    with shardd.Client(daemon.socket, reconnect_timeout=30) as c:
+    with shardd.Client(daemon.socket, reconnect_timeout=30, eager_readahead=eager) as c:
         stream = c.stream("exact", epoch=0, rank=0, world_size=1)
         got = [content(next(stream)) for _ in range(5)]
         daemon.proc.send_signal(signal.SIGTERM)

@@ -165,7 +165,8 @@ def test_a_slow_steady_reader_is_never_parked(make_daemon, fake_gcs, shard_dir):
     taking bytes, is served without a park and gets the uninterrupted stream."""
     d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "1s"')
     want = read_stream(d.socket, dataset="big", epoch=0, rank=0, world_size=1)
-    with shardd.Client(d.socket) as c:
+    # readahead=0: the test swaps the socket under the stream, which its thread would be reading.
+    with shardd.Client(d.socket, readahead=0) as c:
         stream = c.stream("big", epoch=0, rank=0, world_size=1)
         fast = stream._sock
         # 64 KiB per 10 ms (~6 MB/s): an 8 MB batch takes ~1.3 s, more than the stall timeout.
@@ -187,7 +188,9 @@ def test_a_reader_that_pauses_holds_three_shards_then_none_and_goes_on(make_daem
         gcs_config(fake_gcs), server='stall_timeout = "2s"', cache="prefetch_shards = 2",
     )
     charge = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size + 8192
-    with shardd.Client(d.socket) as c:
+    # readahead=0: the shards pinned depend on exactly what the client received (a read-ahead
+    # thread takes one more batch: test_readahead.py has the pause with read-ahead).
+    with shardd.Client(d.socket, readahead=0) as c:
         stream = c.stream("big", epoch=0, rank=0, world_size=1)
         first = next(stream)
         # The daemon is now blocked writing the second shard's sample to a socket nobody

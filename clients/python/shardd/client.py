@@ -1,11 +1,18 @@
 """The client side of proto/PROTOCOL.md (version 4).
 
-Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
-(keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
-batch's descriptors are decoded with a single ``struct.unpack_from``; large pieces (at least
-``DIRECT_MIN`` bytes) are received straight into their own ``bytes`` object with
-``MSG_WAITALL``, so the kernel copies them exactly once. Reads are bounded so the buffer never
-runs ahead into a large piece.
+Speed matters here: the trainer's Python process is where every sample ends up. A whole
+batch's descriptors are decoded with a single ``struct.unpack_from``; a batch of small pieces
+(keys, labels, 10 KB images) is received as one ``bytes`` object and cut with slices; large
+pieces (at least ``DIRECT_MIN`` bytes) are received straight into their own ``bytes`` object
+with ``MSG_WAITALL``, so the kernel copies them exactly once. Reads are bounded so the buffer
+never runs ahead into a large piece.
+
+Read-ahead (``Client(readahead=)``, on by default): a thread per stream receives and decodes
+the next batches into a queue bounded in bytes while the trainer works, and the stream's
+``__next__`` takes them from it. It starts at a batch boundary once the caller has shown that
+it works between batches (a caller that only drains the stream is faster reading it itself). The thread holds the stream only while it receives a batch
+(a weak reference otherwise), so a dropped stream is collected and closed. Once the thread
+has received END it may open the next epoch's stream ahead (``Client(prefetch_next_epoch=)``).
 
 A stream survives a daemon restart (PROTOCOL.md, "Reconnecting"): when its connection is cut,
 or the daemon says ``shutdown`` or ``busy``, or nothing listens at the socket, it connects
@@ -21,8 +28,10 @@ import os
 import random
 import socket
 import struct
+import threading
 import time
 import weakref
+from collections import deque
 
 MAGIC = b"SHARDD"
 VERSION = 4
@@ -67,6 +76,14 @@ RETRY_CODES = frozenset({"shutdown", "busy"})
 # connect() errors that mean "no daemon listens there right now": the socket file is gone
 # (a stopped daemon removes it), stale (a killed one leaves it), or the backlog is full.
 _RETRY_CONNECT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN})
+
+# Read-ahead (``Client(readahead=)``): a stream's background thread stops receiving once this
+# many bytes of batches wait to be yielded (it may hold one batch more: it checks before a
+# batch, whose size it does not know yet). 0 turns the thread off.
+READAHEAD = 4 << 20
+# How long close() waits for a stream's thread to let go of the socket (it exits at once: the
+# socket is shut down under it), before leaving the closing to the thread.
+_JOIN_TIMEOUT = 5.0
 
 log = logging.getLogger("shardd")
 
@@ -180,15 +197,44 @@ class Client:
     ``timeout``: a socket timeout in seconds (None blocks; a timeout turns off the direct
     receive of large fields). ``reconnect_timeout``: how long a stream keeps trying to reach a
     daemon that went away, in seconds (default 300; 0 turns reconnecting off; ``float("inf")``
-    never gives up); see ``Stream``."""
+    never gives up); see ``Stream``.
 
-    def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT):
+    ``readahead``: bytes of batches each stream may receive ahead of the caller (default 4 MiB,
+    ``READAHEAD``): a background thread per stream receives and decodes the next batches while
+    the trainer works, and stops once this many bytes wait (plus at most one batch: ~1 MiB, or
+    one sample when a sample is larger), so a paused trainer's stream is parked by the daemon as
+    without it. 0: no thread, the caller's ``next`` reads the socket itself. The thread starts
+    at the first batch boundary where the caller spent at least as long since the previous
+    batch as that batch took to receive (a trainer: at its second batch); a caller that only
+    drains the stream keeps reading it itself, as handing batches between two threads would
+    cost it throughput. ``eager_readahead=True`` starts the thread with the stream.
+
+    ``prefetch_next_epoch`` (with ``readahead`` > 0): when a stream has received its END, the
+    client opens the same stream of the next epoch (``start`` 0, no ``resume_from``), so that its
+    first shuffle window is ready when ``stream()`` asks for exactly that: ``stream()`` then
+    hands over the open stream. It is the same request a fresh ``stream()`` sends (same samples
+    in the same order) and the finished stream's connection is closed first, so the daemon
+    serves no more connections than the caller would. At most one per stream; an unclaimed one
+    is closed by ``close()`` or when ``stream()`` opens another epoch (or ``start``) of that
+    (dataset, rank, worker). A refused or failed speculative open is dropped silently."""
+
+    def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
+                 readahead=READAHEAD, prefetch_next_epoch=True, eager_readahead=False):
         self.socket_path = str(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
+        self.readahead = max(0, int(readahead))
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        self.eager_readahead = bool(eager_readahead)
         # Weak: a stream the caller dropped (``break`` out of the loop) is collected and its
         # socket closed, which frees the daemon's slot; close() still reaches the live ones.
         self._open = weakref.WeakSet()
+        # Speculative next-epoch streams, by _slot(request): (request, stream). Strong: nobody
+        # else holds them until stream() claims them.
+        self._spec = {}
+        self._spec_lock = threading.Lock()
+        self._generation = 0  # close() counts: a stream opened ahead across one is not kept
+        self._pid = os.getpid()
 
     def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0,
                resume_from=None):
@@ -211,10 +257,66 @@ class Client:
         request["start"] = int(start)
         if resume_from is not None:
             request["resume_from"] = _origin(resume_from)
-        s = Stream(self.socket_path, request, self.timeout, self._open.discard,
-                   self.reconnect_timeout)
+        s = self._claim(request)
+        if s is None:
+            s = Stream(self.socket_path, request, self.timeout, self._open.discard,
+                       self.reconnect_timeout, readahead=self.readahead,
+                       prefetch=self._prefetcher(), eager=self.eager_readahead)
         self._open.add(s)
         return s
+
+    def _prefetcher(self):
+        if not (self.readahead and self.prefetch_next_epoch):
+            return None
+        # Weak: a stream must not keep its client (and the client's speculative streams) alive.
+        method = weakref.WeakMethod(self._prefetch)
+        return lambda request: (m := method()) is not None and m(request)
+
+    def _claim(self, request):
+        """The speculative stream opened for exactly ``request``, taken out of the client (None
+        if there is none); one for another epoch or start of the same slot is closed."""
+        self._forked()
+        with self._spec_lock:
+            held = self._spec.pop(_slot(request), None)
+        if held is None:
+            return None
+        spec_request, s = held
+        if spec_request != request or not s._claim():
+            s.close()
+            return None
+        return s
+
+    def _forked(self):
+        """In a child after fork, the parent's speculative streams are not this process's (they
+        were disowned by ``_after_fork_in_child``) and a parent's thread may have held the lock."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._spec_lock = threading.Lock()
+            self._spec = {}
+
+    def _prefetch(self, request):
+        """In a stream's thread, once it received END: opens the next epoch of ``request``
+        and keeps it for ``stream()``. Failures are dropped: the caller opens it as usual."""
+        nxt = dict(request, epoch=request["epoch"] + 1, start=0)
+        nxt.pop("resume_from", None)  # an elastic resume covers its own epoch only
+        key = _slot(nxt)
+        self._forked()
+        with self._spec_lock:
+            if key in self._spec:
+                return
+            generation = self._generation
+        try:
+            s = Stream(self.socket_path, dict(nxt), self.timeout, self._open.discard,
+                       self.reconnect_timeout, readahead=self.readahead,
+                       prefetch=self._prefetcher(), speculative=True)
+        except Exception as e:
+            log.debug("did not open the next epoch of %s ahead: %s", key, e)
+            return
+        with self._spec_lock:
+            if generation == self._generation and key not in self._spec:
+                self._spec[key] = (nxt, s)
+                return
+        s.close()
 
     def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1,
              resume_from=None):
@@ -234,7 +336,13 @@ class Client:
             return dict(s.start_fields)
 
     def close(self):
-        """Closes every stream still open."""
+        """Closes every stream still open, and the next-epoch streams opened ahead."""
+        self._forked()
+        with self._spec_lock:
+            self._generation += 1
+            held, self._spec = list(self._spec.values()), {}
+        for _, s in held:
+            s.close()
         for s in list(self._open):
             s.close()
 
@@ -243,6 +351,12 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _slot(request):
+    """What identifies a stream across epochs: everything but epoch, start and resume_from."""
+    return (request["dataset"], request["rank"], request["world_size"], request["worker"],
+            request["num_workers"], request["seed"])
 
 
 def _needs(request):
@@ -289,6 +403,57 @@ def _text_source(samples, names):
     return samples
 
 
+class _Queue:
+    """What a stream's read-ahead thread hands to the caller: batches (lists of samples), then
+    None (END) or an exception. Holds no reference to the stream."""
+
+    __slots__ = ("cond", "items", "bytes", "limit", "closed", "peak")
+
+    def __init__(self, limit):
+        self.cond = threading.Condition(threading.Lock())
+        self.items = deque()  # (batch | None | exception, bytes)
+        self.bytes = 0  # the BATCH body bytes of the batches in items
+        self.limit = limit
+        self.closed = False
+        self.peak = 0  # the most bytes items ever held (for tests)
+
+
+def _read_ahead(ref, q):
+    """A stream's read-ahead thread: receives batches while fewer than ``q.limit`` bytes wait.
+    It holds the stream only while receiving a batch, so a stream its caller dropped is
+    collected (and closed) instead of being kept alive by its thread."""
+    cond = q.cond
+    try:
+        while True:
+            with cond:
+                while q.bytes >= q.limit and not q.closed:
+                    cond.wait()
+                if q.closed:
+                    return
+            s = ref()
+            if s is None:
+                return
+            item, size = s._receive()
+            after = s._after_end() if item is None else None
+            s = None  # the caller may have dropped the stream meanwhile: let it go
+            with cond:
+                if not q.closed:
+                    q.items.append((item, size))
+                    q.bytes += size
+                    if q.bytes > q.peak:
+                        q.peak = q.bytes
+                    cond.notify_all()
+            if item.__class__ is not list:
+                if after is not None:
+                    after()
+                return
+    finally:
+        s = ref()
+        if s is not None and s._closed:
+            s._drop_connection()  # close() gave up waiting for us, or we are what closed it
+        s = None
+
+
 class Stream:
     """One stream: iterate it for samples. ``shards`` is how many shards it reads (``samples``,
     ``dropped``, ``fingerprint``: see PROTOCOL.md; ``start_fields``: the whole START, as a
@@ -302,10 +467,16 @@ class Stream:
     ``PlanChangedError``). One warning per outage goes to the ``shardd`` logger, and an info
     line when the stream resumed. Opening the stream waits for the daemon the same way, so a
     DataLoader worker that opens an epoch while the daemon restarts goes on too; a wrong
-    socket path is named in that first warning. ``reconnects`` counts the outages survived."""
+    socket path is named in that first warning. ``reconnects`` counts the outages survived.
+
+    With read-ahead (``readahead`` bytes, > 0) a thread receives the batches and all of the
+    above runs in it: its errors reach the caller in order, after the samples received before
+    them. ``position`` counts the samples yielded; ``readahead_bytes`` is (bytes queued now,
+    the most ever queued)."""
 
     def __init__(self, socket_path, request, timeout=None, on_close=None,
-                 reconnect_timeout=RECONNECT_TIMEOUT):
+                 reconnect_timeout=RECONNECT_TIMEOUT, readahead=0, prefetch=None,
+                 speculative=False, eager=False):
         self._closed = False
         self._sock = None
         self._lo = 0  # first unread byte
@@ -319,9 +490,19 @@ class Stream:
         self._direct = timeout is None
         self._buf = bytearray(_INITIAL_BUFFER)
         self._mv = memoryview(self._buf)
-        self._pending = []
-        self._pos = 0
-        self._base = 0
+        self._pending = []  # the batch being yielded
+        self._pos = 0  # samples of it yielded
+        self._given = 0  # samples yielded before it (``start`` included): see ``position``
+        self._base = 0  # samples received in whole batches: where a reconnect resumes
+        self._batch_bytes = 0  # the BATCH body size of the last batch read
+        self._queue = None  # read-ahead: what the thread hands over (None: no thread)
+        self._thread = None
+        self._prefetch = prefetch  # called with the request once the thread received END
+        self._speculative = speculative  # opened ahead by the client; not claimed yet
+        self._ended = False  # the thread received END (read-ahead only)
+        self._readahead = readahead
+        self._handed = None  # perf_counter when the caller got the last batch read here
+        self._took = 0.0  # how long reading that batch took
         self.end = None
         self.fingerprint = None  # set by the first START
         self.reconnects = 0
@@ -329,7 +510,17 @@ class Stream:
         self._forked_from = None  # the pid that opened the stream, once inherited by a child
         _LIVE.add(self)
         try:
-            self._connect()
+            if speculative:
+                # Opened ahead: a daemon that is busy or away is not waited for.
+                self._reconnect_timeout = 0.0
+                try:
+                    self._connect()
+                finally:
+                    self._reconnect_timeout = reconnect_timeout
+            else:
+                self._connect()
+            if readahead > 0 and eager:
+                self._start_thread()
         except BaseException:
             self.close()
             raise
@@ -343,70 +534,217 @@ class Stream:
             sample = pending[self._pos]
             self._pos += 1
             return sample
-        if self.end is not None or self._closed:
+        return self._next_batch()
+
+    def _next_batch(self):
+        """The first sample of the next batch: from the read-ahead queue, or read here."""
+        if self._closed:
             if self._forked_from is not None:
                 raise ForkedStreamError(
                     f"this shardd stream was opened in process {self._forked_from} and inherited "
                     f"across fork by process {os.getpid()}: open streams in the process that "
                     f"reads them (after the fork)")
             raise StopIteration
+        self._given += len(self._pending)
+        self._pending, self._pos = [], 0
         try:
-            return self._next_batch()
-        except StopIteration:
-            raise
+            if self._queue is None:
+                batch = self._read_here()
+            else:
+                batch = self._take_batch()
         except BaseException:
-            # A failed read leaves the byte stream at an unknown position: never read on.
+            # The end, or a failed read: the byte stream is at an unknown position, never read
+            # on. (An error from the thread comes after every sample received before it.)
             self.close()
             raise
+        self._pending = batch
+        self._pos = 1
+        return batch[0]
 
-    def _next_batch(self):
-        # Every sample decoded so far was yielded: ``_base`` is where a reconnect resumes.
-        self._base += len(self._pending)
-        self._pending, self._pos = [], 0
+    def _read_here(self):
+        """Reads the next batch on the caller's thread, unless the caller has shown that it
+        works between batches at least as long as a batch takes to receive: then the read-ahead
+        thread takes over from here. A caller that only drains the stream (a benchmark, a
+        copy) keeps reading it itself, which costs no thread handoffs."""
+        now = time.perf_counter()
+        if self._handed is not None and self._readahead > 0:
+            if now - self._handed >= self._took:
+                self._start_thread()
+                return self._take_batch()
+        try:
+            batch = self._fetch()
+        except StopIteration:
+            if self._prefetch is not None and not self._speculative:
+                self._drop_connection()  # first: the daemon's slot is free for the next one
+                threading.Thread(target=self._prefetch, args=(dict(self._request),),
+                                 daemon=True).start()
+            raise
+        self._handed = then = time.perf_counter()
+        self._took = then - now
+        return batch
+
+    def _start_thread(self):
+        """Hands the socket to a read-ahead thread (at a batch boundary)."""
+        r = self._request
+        self._queue = q = _Queue(self._readahead)
+        self._thread = threading.Thread(
+            target=_read_ahead, args=(weakref.ref(self), q), daemon=True,
+            name=f"shardd read-ahead {r['dataset']} epoch {r['epoch']}")
+        self._thread.start()
+
+    def _fetch(self):
+        """Reads the next batch, reconnecting as needed; StopIteration at END."""
         while True:
             try:
-                return self._read_frames()
+                batch = self._read_frames()
             except StopIteration:
                 raise
             except Exception as e:
+                if self._closed:
+                    raise ConnectionLostError(f"the stream of {self._describe()} was closed") from e
                 self._recover(e)
+                continue
+            # Every sample of it will be yielded: a reconnect resumes after it.
+            self._base += len(batch)
+            return batch
 
     def _read_frames(self):
+        """The next batch (a non-empty list of samples); StopIteration after END."""
         while True:
             kind, length = self._frame_header()
             if kind == KIND_BATCH:
-                self._pending = pending = self._read_batch(length)
+                self._batch_bytes = length
+                pending = self._read_batch(length)
                 if pending:
-                    self._pos = 1
-                    return pending[0]
+                    return pending
             elif kind == KIND_END:
                 self.end = self._json(length, "END")
-                self.close()
                 raise StopIteration
             else:
                 self._unexpected(kind, length)
 
+    # -- read-ahead (the stream's thread and the caller's side of its queue) ----------------
+
+    def _receive(self):
+        """In the thread: (the next batch, its size in bytes), or (None, 0) at END, or (the
+        exception, 0). After END or an error the connection is closed (the daemon's slot
+        freed at once)."""
+        try:
+            return self._fetch(), self._batch_bytes
+        except StopIteration:
+            self._drop_connection()
+            return None, 0
+        except BaseException as e:
+            self._drop_connection()
+            return e, 0
+
+    def _after_end(self):
+        """In the thread, after END: the call that opens the next epoch ahead, if this stream
+        is to (not while it is itself an unclaimed speculative stream)."""
+        with self._queue.cond:
+            self._ended = True
+            if self._speculative or self._prefetch is None:
+                return None
+        prefetch, request = self._prefetch, dict(self._request)
+        return lambda: prefetch(request)
+
+    def _claim(self):
+        """``Client.stream()`` takes this speculative stream. False if it cannot be used."""
+        if self._closed:
+            return False
+        if self._queue is None:  # not read yet: nothing to check
+            self._speculative = False
+            return True
+        with self._queue.cond:
+            self._speculative = False
+            ended = self._ended
+        if ended and self._prefetch is not None:
+            # Its thread reached END before anyone claimed it (a short epoch): open the next
+            # epoch now, in the background as the thread would have.
+            threading.Thread(target=self._prefetch, args=(dict(self._request),),
+                             daemon=True).start()
+        return True
+
+    def _take_batch(self):
+        """The caller's side: the next item the thread queued (waits for it)."""
+        q = self._queue
+        with q.cond:
+            while not q.items:
+                if q.closed:  # closed from another thread while this one waited
+                    raise StopIteration
+                if not q.cond.wait(1.0) and not q.items and not self._thread.is_alive():
+                    raise ProtocolError(f"the read-ahead thread of {self._describe()} ended "
+                                        f"without a word")
+            item, size = q.items.popleft()
+            q.bytes -= size
+            q.cond.notify_all()
+        if item.__class__ is list:
+            return item
+        if item is None:
+            raise StopIteration
+        raise item
+
+    def _nap(self, seconds):
+        """Sleeps between reconnect attempts; a closed stream's thread wakes at once."""
+        q = self._queue
+        if q is None:
+            time.sleep(seconds)
+        else:
+            with q.cond:
+                q.cond.wait_for(lambda: q.closed, seconds)
+
     @property
     def position(self):
         """Samples of this epoch's stream delivered so far, including the ``start`` skipped:
-        what to pass as ``start`` to resume right after the last sample yielded."""
-        return self._base + self._pos
+        what to pass as ``start`` to resume right after the last sample yielded. (Samples the
+        read-ahead thread received but the caller was not given are not counted.)"""
+        return self._given + self._pos
+
+    @property
+    def readahead_bytes(self):
+        """(bytes of batches waiting in the read-ahead queue now, the most it ever held)."""
+        q = self._queue
+        return (0, 0) if q is None else (q.bytes, q.peak)
 
     def close(self):
-        if not self._closed:
-            self._closed = True
+        """Stops the stream: its thread (the socket is shut down under it, so a blocked
+        receive returns at once) and its connection."""
+        if self._closed:
+            return
+        self._closed = True
+        q, t = self._queue, self._thread
+        if q is not None:
+            with q.cond:
+                q.closed = True
+                q.items.clear()
+                q.bytes = 0
+                q.cond.notify_all()
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            sock = self._sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            t.join(_JOIN_TIMEOUT)
+            if not t.is_alive():
+                self._drop_connection()
+            # else the thread closes the socket when it gets out of its call
+        else:
             self._drop_connection()
-            _LIVE.discard(self)
-            if self._on_close is not None:
-                self._on_close(self)
+        _LIVE.discard(self)
+        if self._on_close is not None:
+            self._on_close(self)
 
     def _inherited(self):
         """In a child after fork: close this process's copy of the socket (the parent's
         connection stays open) and refuse to read on. Checked only once the samples already
-        decoded are gone, so the per-sample path costs nothing."""
+        decoded are gone, so the per-sample path costs nothing. The read-ahead thread did not
+        survive the fork (and may have held the queue's lock): both are forgotten."""
         if not self._closed:
             self._forked_from = os.getppid()
             self._pending, self._pos = [], 0
+            self._queue = self._thread = None
             self.close()
 
     def __enter__(self):
@@ -480,6 +818,8 @@ class Stream:
                 if self._closed:
                     raise ConnectionLostError(f"the stream of {self._describe()} was closed")
                 start = self._handshake()
+                if self._closed:  # closed meanwhile (by the caller, the thread being here)
+                    raise ConnectionLostError(f"the stream of {self._describe()} was closed")
                 break
             except Exception as e:
                 self._drop_connection()
@@ -500,7 +840,7 @@ class Stream:
                     raise UnavailableError(
                         f"{what} within reconnect_timeout = {self._reconnect_timeout:g} s "
                         f"({now - began:.1f} s, {attempts} attempts); last: {cause}") from e
-                time.sleep(min(delay * random.uniform(0.5, 1.0), deadline - now))
+                self._nap(min(delay * random.uniform(0.5, 1.0), deadline - now))
                 delay = min(2 * delay, _BACKOFF_CAP)
         self._started(start)
         if attempts > 1 or lost is not None:
@@ -527,7 +867,7 @@ class Stream:
             self.dropped = start.get("dropped", 0)
             self.fingerprint = fingerprint
             # Where the stream started (the request's ``start``); see ``position``.
-            self._base = position
+            self._base = self._given = position
             self.start_fields = start
             return
         if (fingerprint, samples) != (self.fingerprint, self.samples):
@@ -690,25 +1030,24 @@ class Stream:
         if max_piece >= DIRECT_MIN and self._direct:
             return _text_source(self._read_pieces(n, names, urls, words), names)
 
-        # Fast path: the whole payload through the buffer, one tight loop.
-        self._fill(payload, payload)
-        buf, mv = self._buf, self._mv
-        p = self._lo
-        self._lo += payload
+        # Fast path: every piece is small. The whole payload as one bytes object (at least
+        # DIRECT_MIN bytes: received straight into it), cut with slices: one copy per piece, and
+        # no memoryview object per piece.
+        data = self._take(payload)
         out = []
         append = out.append
-        i = 0
+        p = i = 0
         for _ in range(n):
             head = words[i]
-            klen = words[i + 1]
+            q = p + words[i + 1]
+            sample = {"__key__": str(data[p:q], "utf-8"), "__url__": urls[head & 0xFFFF]}
             i += 2
-            sample = {"__key__": str(mv[p : p + klen], "utf-8"), "__url__": urls[head & 0xFFFF]}
-            p += klen
             for _ in range(head >> 16):
-                ln = words[i + 1]
-                sample[names[words[i]]] = mv[p : p + ln].tobytes()
-                p += ln
+                p = q
+                q += words[i + 1]
+                sample[names[words[i]]] = data[p:q]
                 i += 2
+            p = q
             append(sample)
         return _text_source(out, names)
 

@@ -323,7 +323,14 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return dist is not None and self.world_size == dist.get_world_size(self._group()) > 1
 
     def _client(self):
-        return Client(self.socket, self.timeout, self.reconnect_timeout)
+        """This process's client, kept across iterations: with read-ahead, a stream that has
+        received its END opens the next epoch's stream ahead, and the next ``__iter__`` after
+        ``set_epoch(epoch + 1)`` takes it (persistent workers, or num_workers=0)."""
+        cached = self.__dict__.get("_client_of")
+        if cached is None or cached[0] != os.getpid():
+            cached = (os.getpid(), Client(self.socket, self.timeout, self.reconnect_timeout))
+            self._client_of = cached
+        return cached[1]
 
     def _probe(self, num_workers=1):
         """The START of the stream of (this rank, worker 0 of ``num_workers``) for the current
@@ -524,6 +531,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         self._resolve_topology()  # in the trainer's process, where torch.distributed lives
         state = self.__dict__.copy()
         state["_cursor"] = None
+        state.pop("_client_of", None)  # a client is per process (and holds locks)
         return state
 
 

@@ -1,0 +1,320 @@
+"""The client's read-ahead thread and its next-epoch stream opened ahead, against a real daemon
+(and, for a daemon that sends nothing, a fake one on a real socket)."""
+
+import gc
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+
+import pytest
+import shardd
+from shardd.client import KIND_START, PREAMBLE
+
+from conftest import BIG_SAMPLE, BIG_SHARDS, gcs_config, wait_for
+
+
+def fields(samples):
+    return [(s["__key__"], s["__url__"], sorted((k, v) for k, v in s.items()
+                                               if not k.startswith("__"))) for s in samples]
+
+
+def read(socket_path, epoch=0, dataset="train", **kw):
+    with shardd.Client(socket_path, readahead=0) as c:
+        return list(c.stream(dataset, epoch=epoch, rank=0, world_size=1, **kw))
+
+
+def opened(d, dataset="train"):
+    """Streams of ``dataset`` the daemon has sent a first sample on."""
+    try:
+        return d.metric(f'shardd_first_sample_seconds_count{{dataset="{dataset}"}}')
+    except KeyError:
+        return 0
+
+
+def ended(d, outcome, dataset="train"):
+    try:
+        return d.metric(f'shardd_streams_total{{dataset="{dataset}",outcome="{outcome}"}}')
+    except KeyError:
+        return 0
+
+
+def test_read_ahead_yields_the_socket_paths_samples_and_counts_only_what_was_yielded(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    want = read(d.socket, seed=3)
+    assert len(want) > 100
+    with shardd.Client(d.socket, eager_readahead=True) as c:
+        s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
+        got = [next(s)]
+        # The thread receives ahead of the caller (here the whole epoch, ~1 MB, and its END);
+        # the position counts what was yielded.
+        wait_for(lambda: not s._thread.is_alive(), "the thread to receive the whole stream")
+        assert s.position == 1
+        got += [next(s) for _ in range(9)]
+        assert s.position == 10
+        got += list(s)
+        assert s.position == len(want)
+        assert s.end["samples"] == len(want)
+    assert fields(got) == fields(want)
+    # Resuming at a position taken mid-stream with read-ahead gives exactly the rest.
+    with shardd.Client(d.socket, eager_readahead=True) as c:
+        s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
+        head = [next(s) for _ in range(37)]
+        wait_for(lambda: not s._thread.is_alive(), "the thread to receive the whole stream")
+        at = s.position
+        s.close()
+        rest = list(c.stream("train", epoch=0, rank=0, world_size=1, seed=3, start=at))
+    assert at == 37 and fields(head + rest) == fields(want)
+
+
+def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs):
+    """8 MiB samples, one per batch, a 1-byte bound: the thread holds one batch and stops
+    (the daemon ends up blocked on the client) instead of receiving the whole stream."""
+    d = make_daemon(gcs_config(fake_gcs))
+    with shardd.Client(d.socket, readahead=1, eager_readahead=True) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        first = next(s)
+        wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to receive the next batch")
+        wait_for(lambda: [x["waiting_on"] for x in d.status()["streams"]] == ["client"],
+                 "the daemon to wait for the client")
+        queued, peak = s.readahead_bytes
+        assert BIG_SAMPLE < queued == peak < 2 * BIG_SAMPLE
+        rest = list(s)
+        assert s.readahead_bytes[1] == peak
+    assert len([first] + rest) == BIG_SHARDS
+    # A larger bound: still never more than the bound plus the batch that crossed it.
+    with shardd.Client(d.socket, readahead=3 * BIG_SAMPLE, eager_readahead=True) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        next(s)
+        wait_for(lambda: s.readahead_bytes[0] >= 3 * BIG_SAMPLE, "the queue to fill")
+        wait_for(lambda: [x["waiting_on"] for x in d.status()["streams"]] == ["client"],
+                 "the daemon to wait for the client")
+        queued, peak = s.readahead_bytes
+        assert 3 * BIG_SAMPLE <= peak < 4 * BIG_SAMPLE + (1 << 20)
+        assert len(list(s)) == BIG_SHARDS - 1
+
+
+def test_a_trainer_paused_past_the_stall_timeout_gets_the_same_samples(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "1s"')
+    want = read(d.socket, dataset="big")
+    with shardd.Client(d.socket, readahead=1, eager_readahead=True) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        first = next(s)
+        assert s._thread is not None
+        wait_for(lambda: d.metric("shardd_streams_parked") == 1, "the stream to park")
+        assert s.position == 1
+        rest = list(s)
+    assert d.metric("shardd_stream_parks_total") >= 1
+    assert [(x["__key__"], x["bin"]) for x in [first] + rest] == [(x["__key__"], x["bin"]) for x in want]
+
+
+class SilentDaemon:
+    """Answers a request with a START and then sends nothing (a daemon waiting for data)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(8)
+        self.conns = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            start = json.dumps({"dataset": "train", "shards": 1, "samples": None, "position": 0,
+                                "fingerprint": "f"}).encode()
+            conn.sendall(PREAMBLE + struct.pack("<IB", len(start), KIND_START) + start)
+
+    def close(self):
+        self.srv.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_close_while_the_thread_waits_on_the_socket_returns_at_once(tmp_path):
+    daemon = SilentDaemon(str(tmp_path / "silent.sock"))
+    try:
+        c = shardd.Client(daemon.path, reconnect_timeout=30, eager_readahead=True)
+        s = c.stream("train", epoch=0, rank=0, world_size=1)
+        thread = s._thread
+        assert thread.is_alive()
+        waiter = threading.Thread(target=lambda: next(s, None), daemon=True)
+        waiter.start()  # a caller blocked in next() too
+        wait_for(lambda: daemon.conns, "the connection")
+        began = time.monotonic()
+        c.close()
+        assert time.monotonic() - began < 2.0
+        assert not thread.is_alive()
+        assert s._sock is None
+        waiter.join(2.0)
+        assert not waiter.is_alive()
+        assert next(s, "over") == "over"
+    finally:
+        daemon.close()
+
+
+def test_a_dropped_stream_is_collected_and_its_connection_closed(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    c = shardd.Client(d.socket, readahead=1, eager_readahead=True)
+    s = c.stream("big", epoch=0, rank=0, world_size=1)
+    next(s)
+    wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to fill its queue")
+    thread, ref = s._thread, weakref.ref(s)
+    del s
+    gc.collect()
+    wait_for(lambda: ref() is None, "the stream to be collected")
+    thread.join(5)
+    assert not thread.is_alive()
+    wait_for(lambda: d.metric("shardd_streams_active") == 0, "the daemon to see the stream go")
+    assert ended(d, "cancelled", "big") == 1
+
+
+def streams(d, dataset="big"):
+    """Streams of ``dataset`` the daemon has opened: ended (any outcome) or active."""
+    return (ended(d, "completed", dataset) + ended(d, "cancelled", dataset)
+            + ended(d, "failed", dataset) + d.metric("shardd_streams_active"))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["drained", "thread"])
+def test_the_next_epoch_is_opened_ahead_and_taken_by_stream(make_daemon, fake_gcs, eager):
+    """8 MiB samples: the stream opened ahead is not read until it is taken (the daemon fills
+    its first window and its socket), so it is either taken or cancelled, never completed on
+    its own."""
+    d = make_daemon(gcs_config(fake_gcs))
+    want = [read(d.socket, epoch=e, dataset="big", seed=5) for e in range(3)]
+    assert streams(d) == 3 and fields(want[0]) != fields(want[1])
+    with shardd.Client(d.socket, readahead=1, eager_readahead=eager) as c:
+        for e in range(3):
+            s = c.stream("big", epoch=e, rank=0, world_size=1, seed=5)
+            got = list(s)
+            assert fields(got) == fields(want[e]) and s.position == BIG_SHARDS
+            # Once epoch e was received, epoch e + 1 is opened ahead (one stream only).
+            wait_for(lambda: d.metric("shardd_streams_active") == 1,
+                     f"epoch {e + 1} to be opened ahead")
+            assert streams(d) == 3 + e + 2
+        assert ended(d, "completed", "big") == 3 + 3
+        assert list(c._spec) == [("big", 0, 1, 0, 1, 5)]
+    # The unclaimed one (epoch 3) was closed with the client.
+    wait_for(lambda: d.metric("shardd_streams_active") == 0, "the stream opened ahead to close")
+    assert ended(d, "cancelled", "big") == 1 and streams(d) == 3 + 4
+
+
+def test_a_next_epoch_opened_ahead_is_not_used_for_another_request(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    want = read(d.socket, epoch=1, dataset="big")
+    with shardd.Client(d.socket, readahead=1) as c:
+        list(c.stream("big", epoch=0, rank=0, world_size=1))
+        wait_for(lambda: d.metric("shardd_streams_active") == 1, "epoch 1 to be opened ahead")
+        assert streams(d) == 3
+        # Epoch 1 from sample 2 is another request: the stream opened ahead is closed and a
+        # new one reads exactly the rest.
+        got = list(c.stream("big", epoch=1, rank=0, world_size=1, start=2))
+        assert fields(got) == fields(want[2:])
+        wait_for(lambda: ended(d, "cancelled", "big") == 1, "the stream opened ahead to be closed")
+        wait_for(lambda: d.metric("shardd_streams_active") == 1, "epoch 2 to be opened ahead")
+        assert streams(d) == 5
+        # Another slot (seed 9) leaves that one alone.
+        list(c.stream("big", epoch=0, rank=0, world_size=1, seed=9))
+        wait_for(lambda: d.metric("shardd_streams_active") == 2, "epoch 1 of seed 9 to be opened ahead")
+        assert sorted(c._spec) == [("big", 0, 1, 0, 1, 0), ("big", 0, 1, 0, 1, 9)]
+        assert ended(d, "cancelled", "big") == 1 and streams(d) == 7
+    wait_for(lambda: d.metric("shardd_streams_active") == 0, "every stream to close")
+    assert ended(d, "cancelled", "big") == 3
+
+
+def test_without_read_ahead_nothing_runs_in_the_background(make_daemon, fake_gcs):
+    d = make_daemon(gcs_config(fake_gcs))
+    with shardd.Client(d.socket, readahead=0) as c:
+        s = c.stream("train", epoch=0, rank=0, world_size=1)
+        assert s._thread is None
+        n = len(list(s))
+    assert opened(d) == 1 and n > 0
+
+
+def test_the_thread_starts_when_the_caller_works_between_batches(make_daemon, fake_gcs):
+    """A caller that drains the stream reads it on its own thread (no handoffs); one that
+    spends at least a batch's receive time on a batch gets the thread from the next batch."""
+    d = make_daemon(gcs_config(fake_gcs))
+    want = read(d.socket, dataset="big")
+    with shardd.Client(d.socket) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        drained = list(s)
+        assert s._thread is None
+        s = c.stream("big", epoch=0, rank=0, world_size=1, seed=0, start=0)
+        got = [next(s)]
+        assert s._thread is None and s._took > 0
+        time.sleep(s._took)  # the trainer's work on the batch (one sample here)
+        got.append(next(s))
+        assert s._thread is not None and s.position == 2
+        got += list(s)
+    assert [x["__key__"] for x in drained] == [x["__key__"] for x in want]
+    assert fields(got) == fields(want)
+
+
+def test_the_threads_errors_come_after_the_samples_before_them(tmp_path):
+    """A daemon that sends two samples then an ERROR: the caller gets both samples, then the
+    DaemonError, with or without the thread."""
+    from test_errors import FAKE, PREAMBLE as P2, START, FakeDaemon, batch_frame, json_frame
+
+    def two_then_error(fake_daemon, conn):
+        fake_daemon.read_request(conn)
+        conn.sendall(P2 + json_frame(2, START) + batch_frame(FAKE[:1]) + batch_frame(FAKE[1:2])
+                     + json_frame(5, {"code": "bad_shard", "message": "boom"}))
+
+    f = FakeDaemon(tmp_path / "fake.sock", two_then_error, two_then_error)
+    try:
+        outcomes = []
+        for kw in [dict(readahead=0), dict(eager_readahead=True)]:
+            got = []
+            s = shardd.Client(f.path, reconnect_timeout=0, **kw).stream(
+                "fake", epoch=0, rank=0, world_size=1)
+            with pytest.raises(shardd.DaemonError) as e:
+                for x in s:
+                    got.append((x["__key__"], x["bin"]))
+            outcomes.append((got, e.value.code, str(e.value), s.position))
+        assert outcomes[0] == outcomes[1]
+        assert outcomes[0] == ([("k0", FAKE[0][1]["bin"]), ("k1", FAKE[1][1]["bin"])], "bad_shard",
+                               "boom", 2)
+    finally:
+        f.close()
+
+
+def test_a_timeout_keeps_its_meaning_with_the_thread(tmp_path):
+    """Client(timeout=): the daemon sent nothing for that long -> StreamTimeoutError, from the
+    thread to the caller."""
+    daemon = SilentDaemon(str(tmp_path / "silent.sock"))
+    try:
+        with shardd.Client(daemon.path, timeout=0.3, eager_readahead=True) as c:
+            s = c.stream("train", epoch=0, rank=0, world_size=1)
+            began = time.monotonic()
+            with pytest.raises(shardd.StreamTimeoutError, match="sent nothing for 0.3 s"):
+                next(s)
+            assert 0.25 < time.monotonic() - began < 10
+            assert next(s, "over") == "over"
+    finally:
+        daemon.close()
+
+
+def test_shardd_torch_takes_the_next_epoch_opened_ahead(make_daemon, fake_gcs):
+    """ShardDataset keeps its client: after epoch 0, epoch 1's stream was opened ahead and the
+    next iteration takes it (the daemon opens one stream per epoch, and the samples are those
+    of a fresh stream)."""
+    torch_ds = pytest.importorskip("shardd.torch")
+    d = make_daemon(gcs_config(fake_gcs))
+    want = [[x["__key__"] for x in read(d.socket, epoch=e, dataset="big")] for e in range(2)]
+    ds = torch_ds.ShardDataset("big", socket=d.socket, rank=0, world_size=1)
+    got = []
+    for e in range(2):
+        ds.set_epoch(e)
+        got.append([x["__key__"] for x in ds])
+        wait_for(lambda: d.metric("shardd_streams_active") == 1, f"epoch {e + 1} opened ahead")
+    assert got == want
+    assert streams(d) == 2 + 3  # the two reference reads; epochs 0, 1 and 2 (ahead)
