@@ -298,7 +298,7 @@ def sample_bytes(sample):
 def run_epochs(store, daemon, epochs, rate):
     """Reads ``epochs`` epochs back to back at ``rate`` bytes/s. Returns (per-epoch dicts,
     stall intervals, the proxy's counters before the first stream)."""
-    client = shardd.Client(daemon.socket)
+    client = shardd.Client(daemon.socket, prefetch_next_epoch=True)  # a trainer: epoch after epoch
     stalls = []  # (start, end) of every stall, on the time.monotonic() clock
     results = []
     startup = store.stats()  # requests the daemon made before any stream (listing, metadata)

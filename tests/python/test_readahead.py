@@ -1,6 +1,7 @@
 """The client's read-ahead thread and its next-epoch stream opened ahead, against a real daemon
 (and, for a daemon that sends nothing, a fake one on a real socket)."""
 
+import functools
 import gc
 import json
 import os
@@ -15,6 +16,9 @@ import shardd
 from shardd.client import KIND_START, PREAMBLE
 
 from conftest import BIG_SAMPLE, BIG_SHARDS, gcs_config, wait_for
+
+# Every client here reads epoch after epoch, as shardd.torch's and shardd.grain's do.
+Client = functools.partial(shardd.Client, prefetch_next_epoch=True)
 
 
 def fields(samples):
@@ -46,7 +50,7 @@ def test_read_ahead_yields_the_socket_paths_samples_and_counts_only_what_was_yie
     d = make_daemon(gcs_config(fake_gcs))
     want = read(d.socket, seed=3)
     assert len(want) > 100
-    with shardd.Client(d.socket, eager_readahead=True) as c:
+    with Client(d.socket, eager_readahead=True) as c:
         s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
         got = [next(s)]
         # The thread receives ahead of the caller (here the whole epoch, ~1 MB, and its END);
@@ -60,7 +64,7 @@ def test_read_ahead_yields_the_socket_paths_samples_and_counts_only_what_was_yie
         assert s.end["samples"] == len(want)
     assert fields(got) == fields(want)
     # Resuming at a position taken mid-stream with read-ahead gives exactly the rest.
-    with shardd.Client(d.socket, eager_readahead=True) as c:
+    with Client(d.socket, eager_readahead=True) as c:
         s = c.stream("train", epoch=0, rank=0, world_size=1, seed=3)
         head = [next(s) for _ in range(37)]
         wait_for(lambda: not s._thread.is_alive(), "the thread to receive the whole stream")
@@ -74,7 +78,7 @@ def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs)
     """8 MiB samples, one per batch, a 1-byte bound: the thread holds one batch and stops
     (the daemon ends up blocked on the client) instead of receiving the whole stream."""
     d = make_daemon(gcs_config(fake_gcs))
-    with shardd.Client(d.socket, readahead=1, eager_readahead=True) as c:
+    with Client(d.socket, readahead=1, eager_readahead=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
         first = next(s)
         wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to receive the next batch")
@@ -86,7 +90,7 @@ def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs)
         assert s.readahead_bytes[1] == peak
     assert len([first] + rest) == BIG_SHARDS
     # A larger bound: still never more than the bound plus the batch that crossed it.
-    with shardd.Client(d.socket, readahead=3 * BIG_SAMPLE, eager_readahead=True) as c:
+    with Client(d.socket, readahead=3 * BIG_SAMPLE, eager_readahead=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
         next(s)
         wait_for(lambda: s.readahead_bytes[0] >= 3 * BIG_SAMPLE, "the queue to fill")
@@ -100,7 +104,7 @@ def test_the_queue_holds_at_most_its_bound_plus_one_batch(make_daemon, fake_gcs)
 def test_a_trainer_paused_past_the_stall_timeout_gets_the_same_samples(make_daemon, fake_gcs):
     d = make_daemon(gcs_config(fake_gcs), server='stall_timeout = "1s"')
     want = read(d.socket, dataset="big")
-    with shardd.Client(d.socket, readahead=1, eager_readahead=True) as c:
+    with Client(d.socket, readahead=1, eager_readahead=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
         first = next(s)
         assert s._thread is not None
@@ -142,7 +146,7 @@ class SilentDaemon:
 def test_close_while_the_thread_waits_on_the_socket_returns_at_once(tmp_path):
     daemon = SilentDaemon(str(tmp_path / "silent.sock"))
     try:
-        c = shardd.Client(daemon.path, reconnect_timeout=30, eager_readahead=True)
+        c = Client(daemon.path, reconnect_timeout=30, eager_readahead=True)
         s = c.stream("train", epoch=0, rank=0, world_size=1)
         thread = s._thread
         assert thread.is_alive()
@@ -163,7 +167,7 @@ def test_close_while_the_thread_waits_on_the_socket_returns_at_once(tmp_path):
 
 def test_a_dropped_stream_is_collected_and_its_connection_closed(make_daemon, fake_gcs):
     d = make_daemon(gcs_config(fake_gcs))
-    c = shardd.Client(d.socket, readahead=1, eager_readahead=True)
+    c = Client(d.socket, readahead=1, eager_readahead=True)
     s = c.stream("big", epoch=0, rank=0, world_size=1)
     next(s)
     wait_for(lambda: s.readahead_bytes[0] > 0, "the thread to fill its queue")
@@ -191,13 +195,13 @@ def test_the_next_epoch_is_opened_ahead_and_taken_by_stream(make_daemon, fake_gc
     d = make_daemon(gcs_config(fake_gcs))
     want = [read(d.socket, epoch=e, dataset="big", seed=5) for e in range(3)]
     assert streams(d) == 3 and fields(want[0]) != fields(want[1])
-    with shardd.Client(d.socket, readahead=1, eager_readahead=eager) as c:
+    with Client(d.socket, readahead=1, eager_readahead=eager) as c:
         for e in range(3):
             s = c.stream("big", epoch=e, rank=0, world_size=1, seed=5)
             got = list(s)
             assert fields(got) == fields(want[e]) and s.position == BIG_SHARDS
             # Once epoch e was received, epoch e + 1 is opened ahead (one stream only).
-            wait_for(lambda: d.metric("shardd_streams_active") == 1,
+            wait_for(lambda: d.metric("shardd_streams_active") == 1 and len(c._spec) == 1,
                      f"epoch {e + 1} to be opened ahead")
             assert streams(d) == 3 + e + 2
         assert ended(d, "completed", "big") == 3 + 3
@@ -210,7 +214,7 @@ def test_the_next_epoch_is_opened_ahead_and_taken_by_stream(make_daemon, fake_gc
 def test_a_next_epoch_opened_ahead_is_not_used_for_another_request(make_daemon, fake_gcs):
     d = make_daemon(gcs_config(fake_gcs))
     want = read(d.socket, epoch=1, dataset="big")
-    with shardd.Client(d.socket, readahead=1) as c:
+    with Client(d.socket, readahead=1) as c:
         list(c.stream("big", epoch=0, rank=0, world_size=1))
         wait_for(lambda: d.metric("shardd_streams_active") == 1, "epoch 1 to be opened ahead")
         assert streams(d) == 3
@@ -223,7 +227,8 @@ def test_a_next_epoch_opened_ahead_is_not_used_for_another_request(make_daemon, 
         assert streams(d) == 5
         # Another slot (seed 9) leaves that one alone.
         list(c.stream("big", epoch=0, rank=0, world_size=1, seed=9))
-        wait_for(lambda: d.metric("shardd_streams_active") == 2, "epoch 1 of seed 9 to be opened ahead")
+        wait_for(lambda: d.metric("shardd_streams_active") == 2 and len(c._spec) == 2,
+                 "epoch 1 of seed 9 to be opened ahead")
         assert sorted(c._spec) == [("big", 0, 1, 0, 1, 0), ("big", 0, 1, 0, 1, 9)]
         assert ended(d, "cancelled", "big") == 1 and streams(d) == 7
     wait_for(lambda: d.metric("shardd_streams_active") == 0, "every stream to close")
@@ -232,7 +237,7 @@ def test_a_next_epoch_opened_ahead_is_not_used_for_another_request(make_daemon, 
 
 def test_without_read_ahead_nothing_runs_in_the_background(make_daemon, fake_gcs):
     d = make_daemon(gcs_config(fake_gcs))
-    with shardd.Client(d.socket, readahead=0) as c:
+    with Client(d.socket, readahead=0) as c:
         s = c.stream("train", epoch=0, rank=0, world_size=1)
         assert s._thread is None
         n = len(list(s))
@@ -244,7 +249,7 @@ def test_the_thread_starts_when_the_caller_works_between_batches(make_daemon, fa
     spends at least a batch's receive time on a batch gets the thread from the next batch."""
     d = make_daemon(gcs_config(fake_gcs))
     want = read(d.socket, dataset="big")
-    with shardd.Client(d.socket) as c:
+    with Client(d.socket) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
         drained = list(s)
         assert s._thread is None
@@ -274,7 +279,7 @@ def test_the_threads_errors_come_after_the_samples_before_them(tmp_path):
         outcomes = []
         for kw in [dict(readahead=0), dict(eager_readahead=True)]:
             got = []
-            s = shardd.Client(f.path, reconnect_timeout=0, **kw).stream(
+            s = Client(f.path, reconnect_timeout=0, **kw).stream(
                 "fake", epoch=0, rank=0, world_size=1)
             with pytest.raises(shardd.DaemonError) as e:
                 for x in s:
@@ -292,7 +297,7 @@ def test_a_timeout_keeps_its_meaning_with_the_thread(tmp_path):
     thread to the caller."""
     daemon = SilentDaemon(str(tmp_path / "silent.sock"))
     try:
-        with shardd.Client(daemon.path, timeout=0.3, eager_readahead=True) as c:
+        with Client(daemon.path, timeout=0.3, eager_readahead=True) as c:
             s = c.stream("train", epoch=0, rank=0, world_size=1)
             began = time.monotonic()
             with pytest.raises(shardd.StreamTimeoutError, match="sent nothing for 0.3 s"):

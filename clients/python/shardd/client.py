@@ -209,8 +209,9 @@ class Client:
     drains the stream keeps reading it itself, as handing batches between two threads would
     cost it throughput. ``eager_readahead=True`` starts the thread with the stream.
 
-    ``prefetch_next_epoch`` (with ``readahead`` > 0): when a stream has received its END, the
-    client opens the same stream of the next epoch (``start`` 0, no ``resume_from``), so that its
+    ``prefetch_next_epoch`` (default False; with ``readahead`` > 0): for a caller that reads
+    epoch after epoch (``shardd.torch`` and ``shardd.grain`` turn it on). When a stream has
+    received its END, the client opens the same stream of the next epoch (``start`` 0, no ``resume_from``), so that its
     first shuffle window is ready when ``stream()`` asks for exactly that: ``stream()`` then
     hands over the open stream. It is the same request a fresh ``stream()`` sends (same samples
     in the same order) and the finished stream's connection is closed first, so the daemon
@@ -219,7 +220,7 @@ class Client:
     (dataset, rank, worker). A refused or failed speculative open is dropped silently."""
 
     def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
-                 readahead=READAHEAD, prefetch_next_epoch=True, eager_readahead=False):
+                 readahead=READAHEAD, prefetch_next_epoch=False, eager_readahead=False):
         self.socket_path = str(socket_path)
         self.timeout = timeout
         self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever

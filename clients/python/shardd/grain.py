@@ -243,7 +243,7 @@ class ShardDatasetIterator(grain.DatasetIterator):
         self._identity = dict(dataset=ds.dataset, seed=ds.seed, rank=ds.rank,
                               world_size=ds.world_size, num_workers=self._num_workers,
                               workers=list(self._workers))
-        self._client = Client(ds.socket, ds.timeout, ds.reconnect_timeout)
+        self._client = Client(ds.socket, ds.timeout, ds.reconnect_timeout, prefetch_next_epoch=True)
         self._end_epoch = None if ds.num_epochs is None else ds.epoch + ds.num_epochs
         self._readers = None
         self._reset(ds.epoch)

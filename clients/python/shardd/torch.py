@@ -328,7 +328,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         ``set_epoch(epoch + 1)`` takes it (persistent workers, or num_workers=0)."""
         cached = self.__dict__.get("_client_of")
         if cached is None or cached[0] != os.getpid():
-            cached = (os.getpid(), Client(self.socket, self.timeout, self.reconnect_timeout))
+            cached = (os.getpid(), Client(self.socket, self.timeout, self.reconnect_timeout,
+                                                   prefetch_next_epoch=True))
             self._client_of = cached
         return cached[1]
 
