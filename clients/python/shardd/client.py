@@ -14,8 +14,11 @@ again with backoff for up to ``reconnect_timeout`` seconds, reopens the stream a
 failure path: the per-sample path is untouched.
 """
 
+import array
+import collections
 import errno
 import json
+import mmap
 import logging
 import os
 import random
@@ -25,7 +28,7 @@ import time
 import weakref
 
 MAGIC = b"SHARDD"
-VERSION = 4
+VERSION = 5
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 # The protocol version each feature a request can use first appeared in. A request is sent
 # with the highest version among the features it uses (a daemon serves every version up to
@@ -35,6 +38,7 @@ FEATURES = {
     "start": (2, "the request field start (stream positions, exact resume)"),
     "plan": (3, 'op "plan" (a stream\'s length and plan fingerprint without opening it)'),
     "resume_from": (4, "the request field resume_from (an elastic resume)"),
+    "zero_copy": (5, "zero-copy delivery (shard files passed as descriptors and mapped)"),
 }
 
 KIND_REQUEST = 1
@@ -42,6 +46,10 @@ KIND_START = 2
 KIND_BATCH = 3
 KIND_END = 4
 KIND_ERROR = 5
+KIND_MAP = 6
+KIND_MAPPED_BATCH = 7
+KIND_UNMAP = 8
+KIND_RELEASE = 9
 
 _HEADER = struct.Struct("<IB")
 _BATCH_HEADER = struct.Struct("<IIIIII")
@@ -182,8 +190,12 @@ class Client:
     daemon that went away, in seconds (default 300; 0 turns reconnecting off; ``float("inf")``
     never gives up); see ``Stream``."""
 
-    def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT):
+    def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
+                 zero_copy=False):
         self.socket_path = str(socket_path)
+        # Protocol 5: each stream asks for its shards' cache files as descriptors; large
+        # fields are then read-only memoryviews of a mapping (PROTOCOL.md, "Zero copy").
+        self.zero_copy = bool(zero_copy)
         self.timeout = timeout
         self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
         # Weak: a stream the caller dropped (``break`` out of the loop) is collected and its
@@ -211,6 +223,8 @@ class Client:
         request["start"] = int(start)
         if resume_from is not None:
             request["resume_from"] = _origin(resume_from)
+        if self.zero_copy:
+            request["zero_copy"] = True
         s = Stream(self.socket_path, request, self.timeout, self._open.discard,
                    self.reconnect_timeout)
         self._open.add(s)
@@ -255,6 +269,8 @@ def _needs(request):
         version, feature = FEATURES["plan"]
     if request.get("resume_from") is not None:
         version, feature = FEATURES["resume_from"]
+    if request.get("zero_copy"):
+        version, feature = FEATURES["zero_copy"]
     return version, feature
 
 
@@ -327,6 +343,12 @@ class Stream:
         self.reconnects = 0
         self.peer_version = None  # the daemon's protocol version, from its preamble
         self._forked_from = None  # the pid that opened the stream, once inherited by a child
+        self._recv = None  # how _fill receives: the socket's recv_into, or _recv_fds_into
+        self._zc = False  # this connection is zero-copy (START said so)
+        self._maps = {}  # map id -> memoryview of its mmap, while batches may refer to it
+        self._fds = collections.deque()  # descriptors received, for the MAP frames to come
+        self._released = collections.deque()  # (generation, map id), from the finalizers
+        self._generation = 0  # which connection a map belongs to
         _LIVE.add(self)
         try:
             self._connect()
@@ -376,6 +398,11 @@ class Stream:
             kind, length = self._frame_header()
             if kind == KIND_BATCH:
                 self._pending = pending = self._read_batch(length)
+                if pending:
+                    self._pos = 1
+                    return pending[0]
+            elif KIND_MAP <= kind <= KIND_UNMAP and self._zc:
+                self._pending = pending = self._zero_copy_frame(kind, length)
                 if pending:
                     self._pos = 1
                     return pending[0]
@@ -442,10 +469,21 @@ class Stream:
         version, feature = _needs(self._request)
         sock.sendall(MAGIC + struct.pack("<H", version) + _HEADER.pack(len(body), KIND_REQUEST)
                      + body)
+        zero_copy = bool(self._request.get("zero_copy"))
+        # Zero copy: every receive takes descriptors too (a plain recv would drop them).
+        self._recv = self._recv_fds_into if zero_copy else sock.recv_into
+        self._direct = self._timeout is None and not zero_copy
         preamble = self._take(len(PREAMBLE))
         if preamble[:6] != MAGIC:
             raise ProtocolError(f"{self._path} is not a shardd socket")
         self.peer_version = struct.unpack_from("<H", preamble, 6)[0]
+        if self.peer_version < version and zero_copy and self.peer_version >= _needs(
+                {**self._request, "zero_copy": False})[0]:
+            # A daemon older than zero copy: the socket path, from a new connection.
+            log.info("the shardd daemon at %s speaks protocol %d, before zero copy (5): reading "
+                     "%s over the socket", self._path, self.peer_version, self._describe())
+            del self._request["zero_copy"]
+            return self._handshake()
         if self.peer_version < version:
             from . import __version__
             raise VersionError(
@@ -456,7 +494,9 @@ class Stream:
         kind, length = self._frame_header()
         if kind != KIND_START:
             self._unexpected(kind, length)
-        return self._json(length, "START")
+        start = self._json(length, "START")
+        self._zc = zero_copy and start.get("zero_copy") is True
+        return start
 
     def _drop_connection(self):
         """Closes the socket (not the stream) and forgets what was buffered from it."""
@@ -464,6 +504,8 @@ class Stream:
             self._sock.close()
             self._sock = None
         self._lo = self._hi = 0
+        if self._request.get("zero_copy"):
+            self._forget_maps()
 
     def _connect(self, lost=None):
         """Connects and reads START. While the failure is one a daemon (re)starting explains,
@@ -597,7 +639,7 @@ class Stream:
                 self._mv = memoryview(self._buf)
             self._buf[:unread] = tail
             self._lo, self._hi = 0, unread
-        recv_into = self._sock.recv_into
+        recv_into = self._recv
         mv = self._mv
         end = self._lo + limit
         while self._hi - self._lo < need:
@@ -751,3 +793,115 @@ class Stream:
             i += 2 + 2 * (head >> 16)
             out.append(sample)
         return out
+
+    # -- zero copy (protocol 5) ----------------------------------------------------------
+
+    def _recv_fds_into(self, view):
+        """``recv_into`` that also takes the descriptors of MAP frames (SCM_RIGHTS), first
+        sending the RELEASE of the maps nothing refers to any more."""
+        if self._released:
+            self._send_releases()
+        n, anc, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(f"descriptors from the daemon at {self._path} were cut off")
+        return n
+
+    def _send_releases(self):
+        ids = []
+        while self._released:
+            generation, map_id = self._released.popleft()
+            if generation == self._generation:
+                ids.append(map_id)
+        if ids:
+            self._sock.sendall(_HEADER.pack(4 * len(ids), KIND_RELEASE)
+                               + struct.pack(f"<{len(ids)}I", *ids))
+
+    def _forget_maps(self):
+        """A connection ended: its map ids mean nothing to the next (memoryviews handed out
+        stay valid: each mapping holds its file)."""
+        self._generation += 1
+        self._maps.clear()
+        self._released.clear()
+        while self._fds:
+            os.close(self._fds.popleft())
+
+    def _zero_copy_frame(self, kind, length):
+        """A MAP, UNMAP or MAPPED_BATCH frame; returns the samples of a batch."""
+        if kind == KIND_MAPPED_BATCH:
+            return self._read_mapped_batch(length)
+        body = self._take(length)
+        if kind == KIND_UNMAP:
+            # No batch refers to these any more: once their memoryviews are gone, they are
+            # released (weakref.finalize on each mmap).
+            for (map_id,) in struct.iter_unpack("<I", body):
+                self._maps.pop(map_id, None)
+            return None
+        map_id, size = struct.unpack("<IQ", body)
+        if not self._fds:
+            raise ProtocolError(f"a MAP frame from the daemon at {self._path} came without "
+                                f"its descriptor")
+        fd = self._fds.popleft()
+        try:
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        weakref.finalize(mm, self._released.append, (self._generation, map_id))
+        self._maps[map_id] = memoryview(mm)
+        return None
+
+    def _read_mapped_batch(self, length):
+        """A MAPPED_BATCH: as ``_read_batch``, with mapped fields as memoryview slices."""
+        self._fill(_BATCH_HEADER.size, _BATCH_HEADER.size)
+        n, n_words, n_names, n_urls, payload_offset, _ = _BATCH_HEADER.unpack_from(
+            self._buf, self._lo)
+        self._fill(payload_offset, payload_offset)
+        buf, mv = self._buf, self._mv
+        p = self._lo + _BATCH_HEADER.size
+        tables = []
+        for _ in range(n_names + n_urls):
+            (ln,) = _U32.unpack_from(buf, p)
+            p += 4
+            tables.append(str(mv[p : p + ln], "utf-8"))
+            p += ln
+        names, urls = tables[:n_names], tables[n_names:]
+        words = struct.unpack_from(f"<{n_words}I", buf, p)
+        self._lo += payload_offset
+        payload = length - payload_offset
+        self._fill(payload, payload)
+        buf, mv = self._buf, self._mv
+        p = self._lo
+        self._lo += payload
+        maps = self._maps
+        out = []
+        i = 0
+        for _ in range(n):
+            head = words[i]
+            klen = words[i + 1]
+            i += 2
+            sample = {"__key__": str(mv[p : p + klen], "utf-8"), "__url__": urls[head & 0xFFFF]}
+            p += klen
+            for _ in range(head >> 16):
+                name, ln = words[i], words[i + 1]
+                if name >> 31:
+                    off = words[i + 3] | (words[i + 4] << 32)
+                    try:
+                        sample[names[name & 0x7FFFFFFF]] = maps[words[i + 2]][off : off + ln]
+                    except KeyError:
+                        raise ProtocolError(f"the daemon at {self._path} referred to map "
+                                            f"{words[i + 2]}, which it did not send") from None
+                else:
+                    sample[names[name]] = mv[p : p + ln].tobytes()
+                    p += ln
+                i += 5
+            out.append(sample)
+        return _text_source(out, names)
+
+
+# Room for the descriptors one receive can bring (one per MAP frame; a receive stops after
+# the first message that carries any).
+_ANCILLARY = socket.CMSG_SPACE(16 * 4)
