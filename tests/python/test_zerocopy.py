@@ -113,8 +113,8 @@ def test_a_client_killed_while_holding_maps_frees_them(daemon):
 
 
 def test_maps_are_bounded_and_the_budget_kept_while_a_reader_holds_everything(make_daemon, data, train_paths):
-    # Room for about 4 shards: 2 maps, the stream's working set, never more on disk.
-    budget = 4 * (PER_SHARD * SAMPLE + 20_000)
+    # Room for 6 shards: 2 maps and the stream's working set; never more on disk.
+    budget = 6 * (PER_SHARD * SAMPLE + 20_000)
     d = make_daemon(config(data, train_paths, shuffle_buffer=2), server="zero_copy_maps = 2",
                     cache=f"max_size = \"{budget}\"\nprefetch_shards = 1")
     plain, _ = read(d.socket, "z", False)
@@ -173,8 +173,11 @@ def test_garbage_after_the_request_closes_the_connection(daemon):
         s.connect(str(daemon.socket))
         s.sendall(b"SHARDD\x05\x00" + struct.pack("<IB", len(request), 1) + request
                   + b"GET / HTTP/1.1\r\n\r\n")
-        while s.recv(65536):
-            pass
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass  # closed with our bytes unread: closed all the same
     assert "zero-copy client broke the protocol" in daemon.log_path.read_text()
 
 
