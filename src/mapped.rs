@@ -358,8 +358,8 @@ fn encode_frame(batch: &[Sample], decisions: &[Option<(u32, u64)>]) -> Result<Ve
         payload += s.key.len();
         max_piece = max_piece.max(s.key.len());
         for (name, data) in &s.fields {
-            let len = u32::try_from(data.len())
-                .map_err(|_| format!("{}: a field over 4 GiB", s.url))?;
+            let len =
+                u32::try_from(data.len()).map_err(|_| format!("{}: a field over 4 GiB", s.url))?;
             let (flag, map, off) = match d.next().unwrap() {
                 Some((map, off)) => (1u32 << 31, *map, *off),
                 None => {
@@ -528,12 +528,7 @@ mod tests {
             sample("a", &u, &[("jpg", 10_000), ("cls", 1)]),
             sample("bb", &u, &[("jpg", 6000), ("big", 20_000)]),
         ];
-        let decisions = vec![
-            Some((3, 5 << 32 | 7)),
-            None,
-            None,
-            Some((4, 123)),
-        ];
+        let decisions = vec![Some((3, 5 << 32 | 7)), None, None, Some((4, 123))];
         let parts = encode_frame(&batch, &decisions).unwrap();
         let frame: Vec<u8> = parts.iter().flat_map(|p| p.bytes().to_vec()).collect();
         assert_eq!(frame[4], Kind::MappedBatch as u8);
@@ -541,7 +536,10 @@ mod tests {
         assert_eq!(len, frame.len() - HEADER_LEN);
         let got = decode_frame(&frame[HEADER_LEN..]).unwrap();
         assert_eq!(got.len(), 2);
-        assert_eq!((got[0].0.as_str(), got[0].1.as_str()), ("a", "gs://b/0.tar"));
+        assert_eq!(
+            (got[0].0.as_str(), got[0].1.as_str()),
+            ("a", "gs://b/0.tar")
+        );
         assert_eq!(
             got[0].2,
             vec![
@@ -556,7 +554,10 @@ mod tests {
                 ("cls".to_string(), Field::Inline(vec![1])),
             ]
         );
-        assert_eq!(got[1].2[0], ("jpg".to_string(), Field::Inline(vec![112; 6000])));
+        assert_eq!(
+            got[1].2[0],
+            ("jpg".to_string(), Field::Inline(vec![112; 6000]))
+        );
         assert_eq!(
             got[1].2[1],
             (
