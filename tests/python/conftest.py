@@ -105,6 +105,14 @@ def reference_samples(urls):
     return out
 
 
+@pytest.fixture(params=["socket", "zero_copy"])
+def delivery(request):
+    """How the stream is delivered: over the socket, or zero-copy (protocol 5: mapped cache
+    files, fields as memoryviews, equal to the socket path's bytes). ``zero_copy`` is the
+    ``shardd.Client`` argument."""
+    return request.param == "zero_copy"
+
+
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("gcs-data")

@@ -1,4 +1,4 @@
-"""The client side of proto/PROTOCOL.md (version 4).
+"""The client side of proto/PROTOCOL.md (version 5).
 
 Speed matters here: the trainer's Python process is where every sample ends up. Small pieces
 (keys, labels, 10 KB images) are read in large chunks into one reusable buffer and a whole
