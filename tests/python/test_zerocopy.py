@@ -15,7 +15,7 @@ import pytest
 import shardd
 import webdataset as wds
 
-from conftest import ROOT, bytes_on_disk, reference_samples, wait_for
+from conftest import ROOT, bytes_on_disk, error_frame, raw_exchange, reference_samples, wait_for
 from test_versions import OldDaemon
 
 SHARDS, PER_SHARD, SAMPLE = 6, 8, 100_000
@@ -222,3 +222,27 @@ def test_a_forked_child_cannot_read_a_zero_copy_stream(daemon):
         assert os.waitstatus_to_exitcode(status) == 0
         rest = list(stream)
     assert len(rest) == SHARDS * PER_SHARD - 1
+
+
+def test_a_failed_mmap_falls_back_to_the_socket_path(daemon, monkeypatch):
+    want, _ = read(daemon.socket, "z", False)
+    calls = []
+
+    def refuse(*a, **kw):
+        calls.append(a)
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(shardd.client.mmap, "mmap", refuse)
+    got, stream = read(daemon.socket, "z", True)
+    assert calls and stream.reconnects == 1
+    assert all(isinstance(s["bin"], bytes) for s in got)
+    assert [(s["__key__"], s["bin"]) for s in got] == [(s["__key__"], s["bin"]) for s in want]
+
+
+def test_the_daemon_refuses_zero_copy_below_protocol_5(daemon):
+    request = json.dumps({"op": "stream", "dataset": "z", "epoch": 0, "rank": 0,
+                          "world_size": 1, "zero_copy": True}).encode()
+    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x04\x00"
+                                   + struct.pack("<IB", len(request), 1) + request))
+    assert err == {"code": "bad_request",
+                   "message": "zero_copy needs protocol 5; the client said it speaks 4"}

@@ -848,6 +848,14 @@ class Stream:
         fd = self._fds.popleft()
         try:
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except OSError as e:
+            # No mapping (address space, a limit): the rest of the stream over the socket,
+            # from a new connection at this position (as a reconnect).
+            log.warning("mapping a shard file from the shardd daemon at %s failed (%s): "
+                        "reading %s over the socket", self._path, e, self._describe())
+            self._forget_maps()
+            del self._request["zero_copy"]
+            raise ConnectionLostError(f"zero copy unavailable (mmap failed: {e})") from e
         finally:
             os.close(fd)
         weakref.finalize(mm, self._released.append, (self._generation, map_id))
