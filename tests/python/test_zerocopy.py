@@ -15,7 +15,7 @@ import pytest
 import shardd
 import webdataset as wds
 
-from conftest import ROOT, bytes_on_disk, error_frame, raw_exchange, reference_samples, wait_for
+from conftest import ROOT, bytes_on_disk, error_frame, index, raw_exchange, reference_samples, wait_for
 from test_versions import OldDaemon
 
 SHARDS, PER_SHARD, SAMPLE = 6, 8, 100_000
@@ -246,3 +246,18 @@ def test_the_daemon_refuses_zero_copy_below_protocol_5(daemon):
                                    + struct.pack("<IB", len(request), 1) + request))
     assert err == {"code": "bad_request",
                    "message": "zero_copy needs protocol 5; the client said it speaks 4"}
+
+
+def test_a_mix_zero_copy_equals_its_socket_path(make_daemon, data, train_paths):
+    pattern = f"{data}/z-{{0..{SHARDS - 1}}}.tar"
+    m = index(pattern, data / "z.manifest.json")
+    sources = "".join(f'[datasets.{n}]\nshards = "{pattern}"\nmanifest = "{m}"\nshuffle_buffer = 5\n'
+                      for n in ["za", "zb"])
+    d = make_daemon(sources + "[datasets.both]\nmix = { za = 3, zb = 1 }\nsamples_per_epoch = 40\n")
+    plain, _ = read(d.socket, "both", False)
+    mapped, s = read(d.socket, "both", True)
+    assert s.start_fields["zero_copy"] is True and len(mapped) == 40
+    assert [x["__source__"] for x in mapped] == [x["__source__"] for x in plain]
+    assert all(isinstance(x["__source__"], str) for x in mapped)
+    assert [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in x.items()}
+            for x in mapped] == plain
