@@ -261,3 +261,18 @@ def test_a_mix_zero_copy_equals_its_socket_path(make_daemon, data, train_paths):
     assert all(isinstance(x["__source__"], str) for x in mapped)
     assert [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in x.items()}
             for x in mapped] == plain
+
+
+def test_a_paused_zero_copy_reader_is_parked_and_goes_on(make_daemon, data, train_paths):
+    # One map: most pieces go inline, so the socket fills and the paused reader is parked
+    # mid-frame; the cut frame is sent again byte for byte (same map ids) after the pause.
+    d = make_daemon(config(data, train_paths, shuffle_buffer=2),
+                    server='stall_timeout = "1s"\nzero_copy_maps = 1')
+    want, _ = read(d.socket, "z", False)
+    with shardd.Client(d.socket, zero_copy=True) as c:
+        stream = c.stream("z", epoch=0, rank=0, world_size=1)
+        got = [next(stream)]
+        wait_for(lambda: d.metric("shardd_stream_parks_total") >= 1, "the stream to park")
+        got += list(stream)
+    assert [(s["__key__"], bytes(s["bin"])) for s in got] == [(s["__key__"], s["bin"]) for s in want]
+    assert {type(s["bin"]) for s in got} == {memoryview, bytes}
