@@ -142,6 +142,7 @@ impl Request {
             seed: 0,
             start: 0,
             resume_from: None,
+            zero_copy: false,
         }
     }
 }

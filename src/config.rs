@@ -64,6 +64,7 @@ pub struct ServerSection {
     pub max_connections: usize,
     pub handshake_timeout: String,
     pub stall_timeout: String,
+    pub zero_copy_maps: usize,
 }
 
 impl Default for ServerSection {
@@ -76,6 +77,7 @@ impl Default for ServerSection {
             max_connections: 1024,
             handshake_timeout: "10s".into(),
             stall_timeout: "60s".into(),
+            zero_copy_maps: 16,
         }
     }
 }
@@ -236,6 +238,8 @@ pub struct Config {
     pub max_connections: usize,
     pub handshake_timeout: Duration,
     pub stall_timeout: Duration,
+    /// Shard files one zero-copy connection may hold mapped (protocol 5; 0: zero copy off).
+    pub zero_copy_maps: usize,
     /// This host among the job's hosts; where `host_auto` says so, a placeholder until
     /// [`crate::host::resolve`] has found it.
     pub host: Topology,
@@ -533,6 +537,7 @@ impl FileConfig {
             max_connections: s.max_connections,
             handshake_timeout,
             stall_timeout,
+            zero_copy_maps: s.zero_copy_maps,
             host,
             host_auto,
             cache_dir: self.cache.dir,

@@ -40,6 +40,7 @@ pub mod elastic;
 pub mod host;
 pub mod http;
 pub mod manifest;
+pub mod mapped;
 pub mod metrics;
 pub mod mix;
 pub mod plan;

@@ -64,6 +64,8 @@ pub struct Metrics {
     pub stream_parks_total: IntCounter,
     /// Streams parked now.
     pub streams_parked: IntGauge,
+    /// Shard files zero-copy clients hold mapped now (each pins its cache entry).
+    pub zero_copy_maps: IntGauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -193,6 +195,7 @@ impl Metrics {
             cache_prefetched_bytes_total: counter("cache_prefetched_bytes_total", "Bytes fetched into the cache before any stream asked for them."),
             cache_full_total: counter("cache_full_total", "Shards a stream needed that found no cache space within cache.space_timeout (the stream failed with cache_full)."),
             stream_parks_total: counter("stream_parks_total", "Times a stream was parked: its client took no data for server.stall_timeout, so it released its shards until the client reads again."),
+            zero_copy_maps: gauge("zero_copy_maps", "Shard files zero-copy clients hold mapped now (each pins its cache entry until released)."),
             streams_parked: gauge("streams_parked", "Streams parked now (their clients paused; they hold no shards)."),
             registry,
         }

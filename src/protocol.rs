@@ -16,7 +16,7 @@ use crate::shard::Sample;
 
 /// First bytes each side sends: magic, then the protocol version (u16, little-endian).
 pub const MAGIC: &[u8; 6] = b"SHARDD";
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// The oldest client version the daemon still serves (version 1 has no `start`).
 pub const OLDEST_VERSION: u16 = 1;
 pub const PREAMBLE_LEN: usize = 8;
@@ -31,9 +31,9 @@ pub const BATCH_TARGET_BYTES: usize = 1 << 20;
 pub const BATCH_MAX_SAMPLES: usize = 4096;
 /// Pieces up to this size are copied into the frame; larger ones are sent from the shard's
 /// bytes in place (a syscall-level iovec costs more than copying a small piece).
-const INLINE_MAX: usize = 4096;
+pub const INLINE_MAX: usize = 4096;
 /// Keeps one batch within the kernel's iovec limit (IOV_MAX = 1024).
-const MAX_PARTS: usize = 960;
+pub const MAX_PARTS: usize = 960;
 /// n_samples, n_words, n_names, n_urls, payload_offset, max_piece: six u32.
 pub const BATCH_HEADER_LEN: usize = 24;
 
@@ -45,6 +45,14 @@ pub enum Kind {
     Batch = 3,
     End = 4,
     Error = 5,
+    /// (v5) A shard's committed cache file, its descriptor attached (SCM_RIGHTS).
+    Map = 6,
+    /// (v5) A batch whose large pieces are (map, offset, length) descriptors.
+    MappedBatch = 7,
+    /// (v5) Map ids the daemon will not refer to again.
+    Unmap = 8,
+    /// (v5, client → daemon) Map ids the client no longer maps.
+    Release = 9,
 }
 
 impl Kind {
@@ -55,6 +63,10 @@ impl Kind {
             3 => Kind::Batch,
             4 => Kind::End,
             5 => Kind::Error,
+            6 => Kind::Map,
+            7 => Kind::MappedBatch,
+            8 => Kind::Unmap,
+            9 => Kind::Release,
             _ => return None,
         })
     }
@@ -84,6 +96,9 @@ pub struct Request {
     /// (`elastic.rs`); `start` then counts samples of the new stream. Version 4.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_from: Option<crate::elastic::Origin>,
+    /// Zero-copy delivery (`mapped.rs`): shard files passed as descriptors. Version 5.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub zero_copy: bool,
 }
 
 fn one() -> u32 {
@@ -120,6 +135,9 @@ pub struct Start {
     /// pass over the source's host share it starts in. Version 4.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sources: Option<Vec<SourceStart>>,
+    /// Whether the stream is delivered zero-copy: present when the request asked. Version 5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero_copy: Option<bool>,
 }
 
 /// One source of a mixed stream, in START.

@@ -198,7 +198,12 @@ async fn serve(
             ));
         }
     };
-    let planned = plan_request(daemon, &req).await?;
+    let mut planned = plan_request(daemon, &req).await?;
+    // Zero copy (protocol 5) is on unless the config turns it off.
+    let zero_copy = req.zero_copy && req.op == "stream" && daemon.config.zero_copy_maps > 0;
+    if req.zero_copy {
+        planned.start.zero_copy = Some(zero_copy);
+    }
     protocol::write_json(wr, Kind::Start, &planned.start)
         .await
         .map_err(|e| refuse("client_gone", e.to_string()))?;
@@ -303,6 +308,7 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
         fingerprint: planned.fingerprint.clone(),
         remainder: planned.remainder,
         sources: planned.sources.clone(),
+        zero_copy: None,
     };
     Ok(Planned {
         lanes: planned.lanes,
@@ -363,6 +369,13 @@ async fn run_stream(
         peer,
     );
     let mut sink = Sink::new();
+    let maps = (req.zero_copy && planned.start.zero_copy == Some(true)).then(|| {
+        set_send_buffer(wr.as_ref(), crate::mapped::SEND_BUFFER);
+        crate::mapped::Maps::new(
+            config.zero_copy_maps,
+            daemon.streams.metrics.zero_copy_maps.clone(),
+        )
+    });
     let job = stream::Job {
         lanes: planned
             .lanes
@@ -386,12 +399,27 @@ async fn run_stream(
         },
         live: &registered.live,
         shutdown,
+        zero_copy: maps.as_ref(),
     };
     let pump = stream::pump(&daemon.streams, job, wr.as_ref(), &mut sink).instrument(span.clone());
     let mut pump = Box::pin(pump);
     let ended = tokio::select! {
         r = &mut pump => r,
-        _ = client_gone(rd) => return Outcome::ClientLeft,
+        end = async {
+            match maps.as_ref() {
+                // Zero copy: the client sends RELEASE frames; anything else ends it.
+                Some(maps) => maps.read_releases(rd).await,
+                None => {
+                    client_gone(rd).await;
+                    crate::mapped::ReaderEnd::Left
+                }
+            }
+        } => {
+            if let crate::mapped::ReaderEnd::Violation(why) = end {
+                tracing::warn!(parent: span, "zero-copy client broke the protocol: {why}; closing its connection");
+            }
+            return Outcome::ClientLeft;
+        }
         // The stream stops at its next frame boundary (it watches the token too), so the
         // client can be told why; one that does not take its frame in time is closed.
         _ = shutdown.cancelled() => tokio::time::timeout(ERROR_WRITE_TIMEOUT, &mut pump)
@@ -795,6 +823,12 @@ async fn handshake(
         return Err(refuse(
             "bad_request",
             format!("resume_from needs protocol 4; the client said it speaks {version}"),
+        ));
+    }
+    if req.zero_copy && version < 5 {
+        return Err(refuse(
+            "bad_request",
+            format!("zero_copy needs protocol 5; the client said it speaks {version}"),
         ));
     }
     if req.op != "stream" && req.op != "plan" {

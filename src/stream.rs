@@ -123,6 +123,8 @@ pub struct Job<'a> {
     pub live: &'a Live,
     /// Stops the stream at its next frame boundary.
     pub shutdown: &'a CancellationToken,
+    /// Zero-copy delivery (protocol 5): the connection's maps (`mapped.rs`).
+    pub zero_copy: Option<&'a crate::mapped::Maps>,
 }
 
 /// The field naming a mixed stream's source, in every sample of a mix.
@@ -270,17 +272,35 @@ async fn serve_from(
         if job.shutdown.is_cancelled() {
             return Err(StreamError::Shutdown);
         }
-        let (parts, sent) = protocol::encode_batch(&mut out).map_err(StreamError::Encode)?;
+        let (parts, sent) = match job.zero_copy {
+            None => protocol::encode_batch(&mut out).map_err(StreamError::Encode)?,
+            Some(maps) => {
+                let batch = crate::mapped::take_batch(&mut out);
+                let parts = maps
+                    .encode(&ctx.cache, &batch, || live_urls(&lanes, &out))
+                    .map_err(StreamError::Encode)?;
+                (parts, batch)
+            }
+        };
         let sending = Instant::now();
         job.live.waiting(Waiting::Client);
-        let send = sink.send(sock, &parts, ctx.stall_timeout);
+        let send = async {
+            if let Some(maps) = job.zero_copy {
+                maps.flush(sock, ctx.stall_timeout).await?;
+            }
+            sink.send(sock, &parts, ctx.stall_timeout).await
+        };
         let (sent_result, failed) = loading_ahead(send, &mut lanes).await;
         // Time in the send is time the client had data waiting (the socket was full).
         job.live.waiting(Waiting::Nothing);
         let lane0 = &lanes[0].series;
         lane0.client_wait.inc_by(sending.elapsed().as_secs_f64());
         match sent_result {
-            Ok(()) => {}
+            Ok(()) => {
+                if let Some(maps) = job.zero_copy {
+                    maps.sent();
+                }
+            }
             // A load that failed meanwhile fails again after the resume, if it still does.
             Err(SendError::Stalled(_)) => return Ok(Leg::Parked),
             Err(e) => return Err(send_failed(e)),
@@ -307,6 +327,21 @@ async fn serve_from(
             return Err(e);
         }
     }
+}
+
+/// The shards a stream still has samples of (to send, in windows, loaded): a zero-copy
+/// stream's maps of other shards are of no more use.
+fn live_urls(lanes: &[LaneReader<'_>], out: &VecDeque<Sample>) -> Vec<Arc<str>> {
+    let mut urls: Vec<Arc<str>> = Vec::new();
+    let lanes = lanes
+        .iter()
+        .flat_map(|l| l.window.iter().chain(l.order.loaded.iter()));
+    for s in out.iter().chain(lanes) {
+        if urls.last() != Some(&s.url) && !urls.contains(&s.url) {
+            urls.push(s.url.clone());
+        }
+    }
+    urls
 }
 
 /// One lane being read: the run that holds its position, then the runs after it, each

@@ -451,6 +451,35 @@ impl Cache {
         self.inner.state.lock().unwrap().releases
     }
 
+    /// For zero-copy delivery (`mapped.rs`): the committed cache file that `piece` (bytes of
+    /// `url` this cache returned, so pinned while `piece` lives) is a slice of, as a fresh
+    /// read-only descriptor (`O_RDONLY | O_CLOEXEC`; never the file being written), with the
+    /// address and length of the mapping `piece` lies in. `None` for heap bytes, or when the
+    /// file cannot be opened or is not the mapping's (the piece is then sent inline).
+    pub fn committed_file(
+        &self,
+        url: &str,
+        piece: &ShardBytes,
+    ) -> Option<(std::fs::File, usize, usize)> {
+        piece.spliceable()?;
+        let entry = {
+            let st = self.inner.state.lock().unwrap();
+            match st.slots.get(url) {
+                Some(Slot::Ready(r)) if r.pins > 0 => r.entry.clone(),
+                _ => return None,
+            }
+        };
+        let map = entry.map.lock().unwrap().upgrade()?;
+        let (base, len) = (map.as_ptr() as usize, map.len());
+        let at = piece.as_ptr() as usize;
+        if at < base || at + piece.len() > base + len {
+            return None;
+        }
+        // std opens with O_CLOEXEC; read-only, so the client can only read this shard.
+        let file = std::fs::File::open(&entry.path).ok()?;
+        (file.metadata().ok()?.len() == len as u64).then_some((file, base, len))
+    }
+
     pub fn max_bytes(&self) -> u64 {
         self.inner.limits.max_bytes
     }

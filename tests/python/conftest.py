@@ -105,6 +105,14 @@ def reference_samples(urls):
     return out
 
 
+@pytest.fixture(params=["socket", "zero_copy"])
+def delivery(request):
+    """How the stream is delivered: over the socket, or zero-copy (protocol 5: mapped cache
+    files, fields as memoryviews, equal to the socket path's bytes). ``zero_copy`` is the
+    ``shardd.Client`` argument."""
+    return request.param == "zero_copy"
+
+
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("gcs-data")
@@ -462,8 +470,8 @@ def raw_exchange(path, data, timeout=30):
 
 
 def error_frame(reply):
-    """The daemon's preamble (protocol 4) then one ERROR frame and nothing after it: its JSON."""
-    assert reply[:8] == b"SHARDD\x04\x00", reply[:16]
+    """The daemon's preamble (protocol 5) then one ERROR frame and nothing after it: its JSON."""
+    assert reply[:8] == b"SHARDD\x05\x00", reply[:16]
     length, kind = struct.unpack_from("<IB", reply, 8)
     assert kind == 5, f"kind {kind}"
     assert len(reply) == 13 + length, "nothing after the ERROR frame"

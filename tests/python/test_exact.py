@@ -39,11 +39,11 @@ def exact_config(fake_gcs, manifest, host_index=0, host_count=1, extra=""):
     )
 
 
-def open_all(daemons, world_size, num_workers, epoch, dataset="exact", seed=3):
+def open_all(daemons, world_size, num_workers, epoch, dataset="exact", seed=3, zero_copy=False):
     per_host = world_size // len(daemons)
     streams = {}
     for h, d in enumerate(daemons):
-        client = shardd.Client(d.socket)
+        client = shardd.Client(d.socket, zero_copy=zero_copy)
         for rank in range(h * per_host, (h + 1) * per_host):
             for worker in range(num_workers):
                 streams[rank, worker] = client.stream(
@@ -60,12 +60,13 @@ def test_manifest_counts_match_webdataset(manifest, train_paths):
     assert [e["size"] for e in m["shards"]] == [p.stat().st_size for p in train_paths]
 
 
-def test_every_stream_of_every_host_gets_as_many_samples(make_daemon, fake_gcs, manifest, train_paths):
+def test_every_stream_of_every_host_gets_as_many_samples(make_daemon, fake_gcs, manifest, train_paths,
+                                                         delivery):
     hosts = [make_daemon(exact_config(fake_gcs, manifest, h, 2), name=f"host{h}") for h in range(2)]
     want = reference_samples(train_paths)
     dropped_by_epoch = []
     for epoch in range(3):
-        streams = open_all(hosts, world_size=4, num_workers=3, epoch=epoch)
+        streams = open_all(hosts, world_size=4, num_workers=3, epoch=epoch, zero_copy=delivery)
         counts = {s.samples for s in streams.values()}
         assert len(counts) == 1, counts
         per_stream = counts.pop()
@@ -90,10 +91,10 @@ def test_every_stream_of_every_host_gets_as_many_samples(make_daemon, fake_gcs, 
 
 
 @pytest.mark.parametrize("with_manifest", [True, False], ids=["manifest", "shards"])
-def test_resume_anywhere_continues_exactly(make_daemon, fake_gcs, manifest, with_manifest):
+def test_resume_anywhere_continues_exactly(make_daemon, fake_gcs, manifest, with_manifest, delivery):
     dataset = "exact" if with_manifest else "train"
     d = make_daemon(exact_config(fake_gcs, manifest))
-    client = shardd.Client(d.socket)
+    client = shardd.Client(d.socket, zero_copy=delivery)
     kw = dict(epoch=2, rank=1, world_size=2, worker=1, num_workers=2, seed=9)
     full = [s["__key__"] for s in client.stream(dataset, **kw)]
     assert len(full) > 40
@@ -170,7 +171,7 @@ def plan_exchange(d, **fields):
     body = json.dumps({"op": "plan", "dataset": "exact", "epoch": 0, "rank": 0, "world_size": 1,
                        **fields}).encode()
     reply = raw_exchange(d.socket, b"SHARDD\x03\x00" + struct.pack("<IB", len(body), 1) + body)
-    assert reply[:8] == b"SHARDD\x04\x00"  # the daemon says its own version
+    assert reply[:8] == b"SHARDD\x05\x00"  # the daemon says its own version
     frames, at = [], 8
     while at < len(reply):
         length, kind = struct.unpack_from("<IB", reply, at)

@@ -14,12 +14,12 @@ from conftest import (
 )
 
 
-def read_stream(socket, dataset="train", **kw):
-    with shardd.Client(socket) as client:
+def read_stream(socket, dataset="train", zero_copy=False, **kw):
+    with shardd.Client(socket, zero_copy=zero_copy) as client:
         return list(client.stream(dataset, **kw))
 
 
-def read_epoch(daemons, world_size, num_workers, epoch=0, seed=0):
+def read_epoch(daemons, world_size, num_workers, epoch=0, seed=0, zero_copy=False):
     """Every stream of every rank of every host: {(rank, worker): [samples]}."""
     per_host = world_size // len(daemons)
     streams = {}
@@ -28,7 +28,7 @@ def read_epoch(daemons, world_size, num_workers, epoch=0, seed=0):
             for worker in range(num_workers):
                 streams[rank, worker] = read_stream(
                     d.socket, epoch=epoch, rank=rank, world_size=world_size,
-                    worker=worker, num_workers=num_workers, seed=seed,
+                    worker=worker, num_workers=num_workers, seed=seed, zero_copy=zero_copy,
                 )
     return streams
 
@@ -49,8 +49,8 @@ def two_hosts(make_daemon, fake_gcs):
     ]
 
 
-def test_multi_host_epoch_equals_webdataset(two_hosts, train_paths):
-    streams = read_epoch(two_hosts, world_size=4, num_workers=2)
+def test_multi_host_epoch_equals_webdataset(two_hosts, train_paths, delivery):
+    streams = read_epoch(two_hosts, world_size=4, num_workers=2, zero_copy=delivery)
     samples = [s for ss in streams.values() for s in ss]
     counts = collections.Counter(s["__key__"] for s in samples)
     assert [k for k, n in counts.items() if n != 1] == [], "samples served more than once"
@@ -81,8 +81,9 @@ def test_s3_epoch_equals_webdataset(make_daemon, s3_endpoint, train_paths):
     assert all(s["__url__"].startswith("s3://bkt3/train/train-") for s in samples)
 
 
-def test_same_inputs_same_order_other_epoch_other_order(two_hosts):
-    first = keys(read_epoch(two_hosts, world_size=4, num_workers=2, epoch=3, seed=7))
+def test_same_inputs_same_order_other_epoch_other_order(two_hosts, delivery):
+    first = keys(read_epoch(two_hosts, world_size=4, num_workers=2, epoch=3, seed=7,
+                            zero_copy=delivery))
     again = keys(read_epoch(two_hosts, world_size=4, num_workers=2, epoch=3, seed=7))
     assert first == again
     assert keys(read_epoch(two_hosts, world_size=4, num_workers=2, epoch=4, seed=7)) != first
@@ -100,9 +101,9 @@ def test_host_keeps_its_shards_across_epochs(two_hosts):
 
 
 @pytest.mark.parametrize("timeout", [None, 60.0], ids=["direct-receive", "buffered"])
-def test_large_and_small_fields_both_read_paths(make_daemon, fake_gcs, shard_dir, timeout):
+def test_large_and_small_fields_both_read_paths(make_daemon, fake_gcs, shard_dir, timeout, delivery):
     d = make_daemon(gcs_config(fake_gcs))
-    with shardd.Client(d.socket, timeout=timeout) as c:
+    with shardd.Client(d.socket, timeout=timeout, zero_copy=delivery) as c:
         got = list(c.stream("mixed", epoch=1, rank=0, world_size=1))
     want = reference_samples(sorted((shard_dir / BUCKET / "mixed").glob("*.tar")))
     assert len(got) == len(want) == 36
@@ -111,7 +112,7 @@ def test_large_and_small_fields_both_read_paths(make_daemon, fake_gcs, shard_dir
     assert max(len(s["__key__"]) for s in got) > 70_000
 
 
-def test_webdataset_project_shards(make_daemon):
+def test_webdataset_project_shards(make_daemon, delivery):
     """The webdataset project's own test shards (a directory member, msgpack, tensors,
     hash-like keys, a gzipped .tgz) read as webdataset reads them."""
     names = ["compressed.tar", "mpdata.tar", "tendata.tar", "testgz.tar", "sample.tgz"]
@@ -120,7 +121,8 @@ def test_webdataset_project_shards(make_daemon):
     )
     d = make_daemon(body)
     for i, name in enumerate(names):
-        got = read_stream(d.socket, dataset=f"d{i}", epoch=0, rank=0, world_size=1)
+        got = read_stream(d.socket, dataset=f"d{i}", epoch=0, rank=0, world_size=1,
+                          zero_copy=delivery)
         assert as_reference(got) == reference_samples([TESTDATA / name]), name
         assert len(got) == len(reference_samples([TESTDATA / name]))
         assert {s["__url__"] for s in got} == {str(TESTDATA / name)}

@@ -131,9 +131,9 @@ def test_daemon_names_a_client_too_old_or_too_new(daemon):
         "<IB", len(elastic), 1) + elastic.encode()))
     assert err == {"code": "bad_request",
                    "message": "resume_from needs protocol 4; the client said it speaks 3"}
-    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x05\x00" + frame))
+    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x06\x00" + frame))
     assert err == {"code": "unsupported_version", "message":
-                   f"client speaks protocol 5; this daemon speaks 1 to 4 (shardd "
+                   f"client speaks protocol 6; this daemon speaks 1 to 5 (shardd "
                    f"{crate_version()}): upgrade the daemon"}
     # The same plan request at protocol 3 is served.
     with shardd.Client(daemon.socket) as c:

@@ -1,4 +1,4 @@
-"""The client side of proto/PROTOCOL.md (version 4).
+"""The client side of proto/PROTOCOL.md (version 5).
 
 Speed matters here: the trainer's Python process is where every sample ends up. A whole
 batch's descriptors are decoded with a single ``struct.unpack_from``; a batch of small pieces
@@ -21,8 +21,11 @@ again with backoff for up to ``reconnect_timeout`` seconds, reopens the stream a
 failure path: the per-sample path is untouched.
 """
 
+import array
+import collections
 import errno
 import json
+import mmap
 import logging
 import os
 import random
@@ -34,7 +37,7 @@ import weakref
 from collections import deque
 
 MAGIC = b"SHARDD"
-VERSION = 4
+VERSION = 5
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 # The protocol version each feature a request can use first appeared in. A request is sent
 # with the highest version among the features it uses (a daemon serves every version up to
@@ -44,6 +47,7 @@ FEATURES = {
     "start": (2, "the request field start (stream positions, exact resume)"),
     "plan": (3, 'op "plan" (a stream\'s length and plan fingerprint without opening it)'),
     "resume_from": (4, "the request field resume_from (an elastic resume)"),
+    "zero_copy": (5, "zero-copy delivery (shard files passed as descriptors and mapped)"),
 }
 
 KIND_REQUEST = 1
@@ -51,6 +55,10 @@ KIND_START = 2
 KIND_BATCH = 3
 KIND_END = 4
 KIND_ERROR = 5
+KIND_MAP = 6
+KIND_MAPPED_BATCH = 7
+KIND_UNMAP = 8
+KIND_RELEASE = 9
 
 _HEADER = struct.Struct("<IB")
 _BATCH_HEADER = struct.Struct("<IIIIII")
@@ -217,11 +225,21 @@ class Client:
     in the same order) and the finished stream's connection is closed first, so the daemon
     serves no more connections than the caller would. At most one per stream; an unclaimed one
     is closed by ``close()`` or when ``stream()`` opens another epoch (or ``start``) of that
-    (dataset, rank, worker). A refused or failed speculative open is dropped silently."""
+    (dataset, rank, worker). A refused or failed speculative open is dropped silently.
+
+    ``zero_copy`` (protocol 5, same host): each stream asks the daemon for its shards' cache
+    files as read-only descriptors, and fields over 4 KiB are then read-only ``memoryview``s of
+    their mappings instead of ``bytes`` (``bytes(view)`` where a copy is needed); smaller ones
+    stay ``bytes``. A daemon that does not offer it (older, or ``server.zero_copy_maps = 0``)
+    serves the socket path (PROTOCOL.md, "Zero copy")."""
 
     def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
-                 readahead=READAHEAD, prefetch_next_epoch=False, eager_readahead=False):
+                 readahead=READAHEAD, prefetch_next_epoch=False, eager_readahead=False,
+                 zero_copy=False):
         self.socket_path = str(socket_path)
+        # Protocol 5: each stream asks for its shards' cache files as descriptors; large
+        # fields are then read-only memoryviews of a mapping (PROTOCOL.md, "Zero copy").
+        self.zero_copy = bool(zero_copy)
         self.timeout = timeout
         self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
         self.readahead = max(0, int(readahead))
@@ -258,6 +276,8 @@ class Client:
         request["start"] = int(start)
         if resume_from is not None:
             request["resume_from"] = _origin(resume_from)
+        if self.zero_copy:
+            request["zero_copy"] = True
         s = self._claim(request)
         if s is None:
             s = Stream(self.socket_path, request, self.timeout, self._open.discard,
@@ -370,6 +390,8 @@ def _needs(request):
         version, feature = FEATURES["plan"]
     if request.get("resume_from") is not None:
         version, feature = FEATURES["resume_from"]
+    if request.get("zero_copy"):
+        version, feature = FEATURES["zero_copy"]
     return version, feature
 
 
@@ -509,6 +531,12 @@ class Stream:
         self.reconnects = 0
         self.peer_version = None  # the daemon's protocol version, from its preamble
         self._forked_from = None  # the pid that opened the stream, once inherited by a child
+        self._recv = None  # how _fill receives: the socket's recv_into, or _recv_fds_into
+        self._zc = False  # this connection is zero-copy (START said so)
+        self._maps = {}  # map id -> memoryview of its mmap, while batches may refer to it
+        self._fds = collections.deque()  # descriptors received, for the MAP frames to come
+        self._released = collections.deque()  # (generation, map id), from the finalizers
+        self._generation = 0  # which connection a map belongs to
         _LIVE.add(self)
         try:
             if speculative:
@@ -616,6 +644,11 @@ class Stream:
             if kind == KIND_BATCH:
                 self._batch_bytes = length
                 pending = self._read_batch(length)
+                if pending:
+                    return pending
+            elif KIND_MAP <= kind <= KIND_UNMAP and self._zc:
+                self._batch_bytes = length
+                pending = self._zero_copy_frame(kind, length)
                 if pending:
                     return pending
             elif kind == KIND_END:
@@ -781,10 +814,21 @@ class Stream:
         version, feature = _needs(self._request)
         sock.sendall(MAGIC + struct.pack("<H", version) + _HEADER.pack(len(body), KIND_REQUEST)
                      + body)
+        zero_copy = bool(self._request.get("zero_copy"))
+        # Zero copy: every receive takes descriptors too (a plain recv would drop them).
+        self._recv = self._recv_fds_into if zero_copy else sock.recv_into
+        self._direct = self._timeout is None and not zero_copy
         preamble = self._take(len(PREAMBLE))
         if preamble[:6] != MAGIC:
             raise ProtocolError(f"{self._path} is not a shardd socket")
         self.peer_version = struct.unpack_from("<H", preamble, 6)[0]
+        if self.peer_version < version and zero_copy and self.peer_version >= _needs(
+                {**self._request, "zero_copy": False})[0]:
+            # A daemon older than zero copy: the socket path, from a new connection.
+            log.info("the shardd daemon at %s speaks protocol %d, before zero copy (5): reading "
+                     "%s over the socket", self._path, self.peer_version, self._describe())
+            del self._request["zero_copy"]
+            return self._handshake()
         if self.peer_version < version:
             from . import __version__
             raise VersionError(
@@ -795,7 +839,9 @@ class Stream:
         kind, length = self._frame_header()
         if kind != KIND_START:
             self._unexpected(kind, length)
-        return self._json(length, "START")
+        start = self._json(length, "START")
+        self._zc = zero_copy and start.get("zero_copy") is True
+        return start
 
     def _drop_connection(self):
         """Closes the socket (not the stream) and forgets what was buffered from it."""
@@ -803,6 +849,8 @@ class Stream:
             self._sock.close()
             self._sock = None
         self._lo = self._hi = 0
+        if self._request.get("zero_copy"):
+            self._forget_maps()
 
     def _connect(self, lost=None):
         """Connects and reads START. While the failure is one a daemon (re)starting explains,
@@ -938,7 +986,7 @@ class Stream:
                 self._mv = memoryview(self._buf)
             self._buf[:unread] = tail
             self._lo, self._hi = 0, unread
-        recv_into = self._sock.recv_into
+        recv_into = self._recv
         mv = self._mv
         end = self._lo + limit
         while self._hi - self._lo < need:
@@ -1091,3 +1139,123 @@ class Stream:
             i += 2 + 2 * (head >> 16)
             out.append(sample)
         return out
+
+    # -- zero copy (protocol 5) ----------------------------------------------------------
+
+    def _recv_fds_into(self, view):
+        """``recv_into`` that also takes the descriptors of MAP frames (SCM_RIGHTS), first
+        sending the RELEASE of the maps nothing refers to any more."""
+        if self._released:
+            self._send_releases()
+        n, anc, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(f"descriptors from the daemon at {self._path} were cut off")
+        return n
+
+    def _send_releases(self):
+        ids = []
+        while self._released:
+            generation, map_id = self._released.popleft()
+            if generation == self._generation:
+                ids.append(map_id)
+        if ids:
+            self._sock.sendall(_HEADER.pack(4 * len(ids), KIND_RELEASE)
+                               + struct.pack(f"<{len(ids)}I", *ids))
+
+    def _forget_maps(self):
+        """A connection ended: its map ids mean nothing to the next (memoryviews handed out
+        stay valid: each mapping holds its file)."""
+        self._generation += 1
+        self._maps.clear()
+        self._released.clear()
+        while self._fds:
+            os.close(self._fds.popleft())
+
+    def _zero_copy_frame(self, kind, length):
+        """A MAP, UNMAP or MAPPED_BATCH frame; returns the samples of a batch."""
+        if kind == KIND_MAPPED_BATCH:
+            return self._read_mapped_batch(length)
+        body = self._take(length)
+        if kind == KIND_UNMAP:
+            # No batch refers to these any more: once their memoryviews are gone, they are
+            # released (weakref.finalize on each mmap).
+            for (map_id,) in struct.iter_unpack("<I", body):
+                self._maps.pop(map_id, None)
+            return None
+        map_id, size = struct.unpack("<IQ", body)
+        if not self._fds:
+            raise ProtocolError(f"a MAP frame from the daemon at {self._path} came without "
+                                f"its descriptor")
+        fd = self._fds.popleft()
+        try:
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except OSError as e:
+            # No mapping (address space, a limit): the rest of the stream over the socket,
+            # from a new connection at this position (as a reconnect).
+            log.warning("mapping a shard file from the shardd daemon at %s failed (%s): "
+                        "reading %s over the socket", self._path, e, self._describe())
+            self._forget_maps()
+            del self._request["zero_copy"]
+            raise ConnectionLostError(f"zero copy unavailable (mmap failed: {e})") from e
+        finally:
+            os.close(fd)
+        weakref.finalize(mm, self._released.append, (self._generation, map_id))
+        self._maps[map_id] = memoryview(mm)
+        return None
+
+    def _read_mapped_batch(self, length):
+        """A MAPPED_BATCH: as ``_read_batch``, with mapped fields as memoryview slices."""
+        self._fill(_BATCH_HEADER.size, _BATCH_HEADER.size)
+        n, n_words, n_names, n_urls, payload_offset, _ = _BATCH_HEADER.unpack_from(
+            self._buf, self._lo)
+        self._fill(payload_offset, payload_offset)
+        buf, mv = self._buf, self._mv
+        p = self._lo + _BATCH_HEADER.size
+        tables = []
+        for _ in range(n_names + n_urls):
+            (ln,) = _U32.unpack_from(buf, p)
+            p += 4
+            tables.append(str(mv[p : p + ln], "utf-8"))
+            p += ln
+        names, urls = tables[:n_names], tables[n_names:]
+        words = struct.unpack_from(f"<{n_words}I", buf, p)
+        self._lo += payload_offset
+        payload = length - payload_offset
+        self._fill(payload, payload)
+        buf, mv = self._buf, self._mv
+        p = self._lo
+        self._lo += payload
+        maps = self._maps
+        out = []
+        i = 0
+        for _ in range(n):
+            head = words[i]
+            klen = words[i + 1]
+            i += 2
+            sample = {"__key__": str(mv[p : p + klen], "utf-8"), "__url__": urls[head & 0xFFFF]}
+            p += klen
+            for _ in range(head >> 16):
+                name, ln = words[i], words[i + 1]
+                if name >> 31:
+                    off = words[i + 3] | (words[i + 4] << 32)
+                    try:
+                        sample[names[name & 0x7FFFFFFF]] = maps[words[i + 2]][off : off + ln]
+                    except KeyError:
+                        raise ProtocolError(f"the daemon at {self._path} referred to map "
+                                            f"{words[i + 2]}, which it did not send") from None
+                else:
+                    sample[names[name]] = mv[p : p + ln].tobytes()
+                    p += ln
+                i += 5
+            out.append(sample)
+        return _text_source(out, names)
+
+
+# Room for the descriptors one receive can bring (one per MAP frame; a receive stops after
+# the first message that carries any).
+_ANCILLARY = socket.CMSG_SPACE(16 * 4)

@@ -1,0 +1,278 @@
+"""Zero-copy delivery (protocol 5): the daemon passes each shard's committed cache file once
+as a descriptor, batches carry (map, offset, length), and the client hands out read-only
+memoryviews of its mapping. Same samples, same order, same bytes as the socket path."""
+
+import json
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+import shardd
+import webdataset as wds
+
+from conftest import ROOT, bytes_on_disk, error_frame, index, raw_exchange, reference_samples, wait_for
+from test_versions import OldDaemon
+
+SHARDS, PER_SHARD, SAMPLE = 6, 8, 100_000
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zerocopy")
+    rng = random.Random(7)
+    for s in range(SHARDS):
+        with wds.TarWriter(str(root / f"z-{s}.tar")) as sink:
+            for i in range(PER_SHARD):
+                sink.write({"__key__": f"z{s}/{i:02d}", "bin": rng.randbytes(SAMPLE - rng.randint(0, 4096)),
+                            "cls": str(i).encode()})
+    return root
+
+
+def config(data, train_paths, shuffle_buffer=4):
+    shards = ", ".join(f'"{p}"' for p in train_paths)
+    return (
+        f'[datasets.z]\nshards = "{data}/z-{{0..{SHARDS - 1}}}.tar"\nshuffle_buffer = {shuffle_buffer}\n'
+        f"[datasets.train]\nshards = [{shards}]\nshuffle_buffer = 20\n"
+    )
+
+
+@pytest.fixture
+def daemon(make_daemon, data, train_paths):
+    return make_daemon(config(data, train_paths))
+
+
+def read(socket_path, dataset, zero_copy, **kw):
+    with shardd.Client(socket_path, zero_copy=zero_copy) as c:
+        stream = c.stream(dataset, epoch=kw.pop("epoch", 0), rank=0, world_size=1, **kw)
+        return list(stream), stream
+
+
+def test_same_samples_as_the_socket_path_and_webdataset(daemon, data, train_paths):
+    for dataset, paths in [("z", sorted(data.glob("z-*.tar"))), ("train", train_paths)]:
+        plain, s1 = read(daemon.socket, dataset, False)
+        mapped, s2 = read(daemon.socket, dataset, True)
+        assert s1.start_fields.get("zero_copy") is None
+        assert s2.start_fields["zero_copy"] is True
+        assert [s["__key__"] for s in mapped] == [s["__key__"] for s in plain]
+        for a, b in zip(plain, mapped):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert bytes(b[k]) == a[k] if isinstance(b[k], memoryview) else b[k] == a[k]
+        views = [v for s in mapped for v in s.values() if isinstance(v, memoryview)]
+        assert views, "large fields come as memoryviews"
+        assert all(v.readonly for v in views)
+        assert all(len(v) > 4096 for v in views), "small fields stay bytes"
+        want = reference_samples(paths)
+        got = {s["__key__"]: {k: bytes(v) for k, v in s.items() if not k.startswith("__")}
+               for s in mapped}
+        assert got == want
+
+
+def test_release_frees_maps_and_the_stream_end_frees_all(daemon):
+    with shardd.Client(daemon.socket, zero_copy=True) as c:
+        stream = c.stream("z", epoch=0, rank=0, world_size=1)
+        held = [next(stream) for _ in range(PER_SHARD * 3)]
+        wait_for(lambda: daemon.metric("shardd_zero_copy_maps") >= 1, "maps held")
+        most = daemon.metric("shardd_zero_copy_maps")
+        del held
+        rest = list(stream)  # drops each sample: retired maps are released as it goes
+        assert len(rest) == PER_SHARD * (SHARDS - 3)
+        assert most <= 16
+    wait_for(lambda: daemon.metric("shardd_zero_copy_maps") == 0, "every map freed")
+
+
+HOLDER = """
+import sys, shardd
+c = shardd.Client(sys.argv[1], zero_copy=True)
+s = c.stream("z", epoch=0, rank=0, world_size=1)
+held = [next(s) for _ in range(20)]
+print(sum(isinstance(v, memoryview) for x in held for v in x.values()), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_client_killed_while_holding_maps_frees_them(daemon):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(daemon.socket)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={"PYTHONPATH": str(ROOT / "clients" / "python")})
+    try:
+        assert int(proc.stdout.readline()) > 0
+        wait_for(lambda: daemon.metric("shardd_zero_copy_maps") >= 1, "maps held")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        wait_for(lambda: daemon.metric("shardd_zero_copy_maps") == 0, "the maps freed")
+        wait_for(lambda: daemon.metric("shardd_cache_pinned_bytes") == 0, "no pins")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_maps_are_bounded_and_the_budget_kept_while_a_reader_holds_everything(make_daemon, data, train_paths):
+    # Room for 6 shards: 2 maps and the stream's working set; never more on disk.
+    budget = 6 * (PER_SHARD * SAMPLE + 20_000)
+    d = make_daemon(config(data, train_paths, shuffle_buffer=2), server="zero_copy_maps = 2",
+                    cache=f"max_size = \"{budget}\"\nprefetch_shards = 1")
+    plain, _ = read(d.socket, "z", False)
+    held = []
+    with shardd.Client(d.socket, zero_copy=True) as c:
+        for s in c.stream("z", epoch=0, rank=0, world_size=1):
+            held.append(s)  # never released while the stream runs
+            assert d.metric("shardd_zero_copy_maps") <= 2
+            assert bytes_on_disk(d.dir / "cache") <= budget
+    assert [s["__key__"] for s in held] == [s["__key__"] for s in plain]
+    assert all(bytes(a["bin"]) == b["bin"] for a, b in zip(held, plain))
+    kinds = {type(s["bin"]) for s in held}
+    assert kinds == {memoryview, bytes}, "mapped while maps were free, then inline"
+
+
+def test_kill_9_and_restart_mid_stream(daemon):
+    want, _ = read(daemon.socket, "z", False)
+    with shardd.Client(daemon.socket, zero_copy=True, reconnect_timeout=30) as c:
+        stream = c.stream("z", epoch=0, rank=0, world_size=1)
+        got = [next(stream) for _ in range(5)]
+        daemon.kill()
+        daemon.start()
+        got += list(stream)
+    assert stream.reconnects == 1
+    assert [s["__key__"] for s in got] == [s["__key__"] for s in want]
+    # Memoryviews of the first connection stay valid: their mappings hold the files.
+    assert [bytes(s["bin"]) for s in got] == [s["bin"] for s in want]
+
+
+def test_a_hostile_release_closes_only_its_connection(daemon):
+    request = json.dumps({"op": "stream", "dataset": "z", "epoch": 0, "rank": 0,
+                          "world_size": 1, "zero_copy": True}).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(daemon.socket))
+        s.sendall(b"SHARDD\x05\x00" + struct.pack("<IB", len(request), 1) + request)
+        assert s.recv(8, socket.MSG_WAITALL) == b"SHARDD\x05\x00"
+        ok = []
+        other = threading.Thread(target=lambda: ok.append(len(read(daemon.socket, "z", True)[0])))
+        other.start()
+        # A RELEASE of a map it never got: its connection is closed.
+        s.sendall(struct.pack("<IBI", 4, 9, 12345))
+        while s.recv(65536):
+            pass
+        other.join(60)
+        assert ok == [SHARDS * PER_SHARD]
+    assert "RELEASE of map 12345, which this connection does not hold" in daemon.log_path.read_text()
+    wait_for(lambda: daemon.metric("shardd_zero_copy_maps") == 0, "every map freed")
+
+
+def test_garbage_after_the_request_closes_the_connection(daemon):
+    request = json.dumps({"op": "stream", "dataset": "z", "epoch": 0, "rank": 0,
+                          "world_size": 1, "zero_copy": True}).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(daemon.socket))
+        s.sendall(b"SHARDD\x05\x00" + struct.pack("<IB", len(request), 1) + request
+                  + b"GET / HTTP/1.1\r\n\r\n")
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass  # closed with our bytes unread: closed all the same
+    assert "zero-copy client broke the protocol" in daemon.log_path.read_text()
+
+
+def test_zero_copy_off_in_the_config_is_the_socket_path(make_daemon, data, train_paths):
+    d = make_daemon(config(data, train_paths), server="zero_copy_maps = 0")
+    got, stream = read(d.socket, "z", True)
+    assert stream.start_fields["zero_copy"] is False
+    assert all(isinstance(s["bin"], bytes) for s in got)
+    plain, _ = read(d.socket, "z", False)
+    assert [(s["__key__"], s["bin"]) for s in got] == [(s["__key__"], s["bin"]) for s in plain]
+
+
+def test_an_older_daemon_gets_the_socket_path(tmp_path):
+    old = OldDaemon(tmp_path / "old.sock")
+    try:
+        with shardd.Client(old.path, zero_copy=True) as c:
+            stream = c.stream("train", epoch=0, rank=0, world_size=1)
+            assert list(stream) == [] and stream.peer_version == 2
+        assert old.preambles == [b"SHARDD\x05\x00", b"SHARDD\x02\x00"]
+    finally:
+        old.close()
+
+
+def test_a_forked_child_cannot_read_a_zero_copy_stream(daemon):
+    import os
+
+    with shardd.Client(daemon.socket, zero_copy=True) as c:
+        stream = c.stream("z", epoch=0, rank=0, world_size=1)
+        first = next(stream)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for _ in range(PER_SHARD * SHARDS):
+                    next(stream)
+            except shardd.ForkedStreamError:
+                code = 0 if len(first["bin"]) > 0 else 2
+            except BaseException:
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        rest = list(stream)
+    assert len(rest) == SHARDS * PER_SHARD - 1
+
+
+def test_a_failed_mmap_falls_back_to_the_socket_path(daemon, monkeypatch):
+    want, _ = read(daemon.socket, "z", False)
+    calls = []
+
+    def refuse(*a, **kw):
+        calls.append(a)
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(shardd.client.mmap, "mmap", refuse)
+    got, stream = read(daemon.socket, "z", True)
+    assert calls and stream.reconnects == 1
+    assert all(isinstance(s["bin"], bytes) for s in got)
+    assert [(s["__key__"], s["bin"]) for s in got] == [(s["__key__"], s["bin"]) for s in want]
+
+
+def test_the_daemon_refuses_zero_copy_below_protocol_5(daemon):
+    request = json.dumps({"op": "stream", "dataset": "z", "epoch": 0, "rank": 0,
+                          "world_size": 1, "zero_copy": True}).encode()
+    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x04\x00"
+                                   + struct.pack("<IB", len(request), 1) + request))
+    assert err == {"code": "bad_request",
+                   "message": "zero_copy needs protocol 5; the client said it speaks 4"}
+
+
+def test_a_mix_zero_copy_equals_its_socket_path(make_daemon, data, train_paths):
+    pattern = f"{data}/z-{{0..{SHARDS - 1}}}.tar"
+    m = index(pattern, data / "z.manifest.json")
+    sources = "".join(f'[datasets.{n}]\nshards = "{pattern}"\nmanifest = "{m}"\nshuffle_buffer = 5\n'
+                      for n in ["za", "zb"])
+    d = make_daemon(sources + "[datasets.both]\nmix = { za = 3, zb = 1 }\nsamples_per_epoch = 40\n")
+    plain, _ = read(d.socket, "both", False)
+    mapped, s = read(d.socket, "both", True)
+    assert s.start_fields["zero_copy"] is True and len(mapped) == 40
+    assert [x["__source__"] for x in mapped] == [x["__source__"] for x in plain]
+    assert all(isinstance(x["__source__"], str) for x in mapped)
+    assert [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in x.items()}
+            for x in mapped] == plain
+
+
+def test_a_paused_zero_copy_reader_is_parked_and_goes_on(make_daemon, data, train_paths):
+    # One map: most pieces go inline, so the socket fills and the paused reader is parked
+    # mid-frame; the cut frame is sent again byte for byte (same map ids) after the pause.
+    d = make_daemon(config(data, train_paths, shuffle_buffer=2),
+                    server='stall_timeout = "1s"\nzero_copy_maps = 1')
+    want, _ = read(d.socket, "z", False)
+    with shardd.Client(d.socket, zero_copy=True) as c:
+        stream = c.stream("z", epoch=0, rank=0, world_size=1)
+        got = [next(stream)]
+        wait_for(lambda: d.metric("shardd_stream_parks_total") >= 1, "the stream to park")
+        got += list(stream)
+    assert [(s["__key__"], bytes(s["bin"])) for s in got] == [(s["__key__"], s["bin"]) for s in want]
+    assert {type(s["bin"]) for s in got} == {memoryview, bytes}
