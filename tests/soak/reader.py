@@ -73,7 +73,8 @@ def read_epoch(args, epoch, path, errors, pauses):
         if ended:
             return
         try:
-            with shardd.Client(args.socket, reconnect_timeout=RECONNECT_TIMEOUT) as client, \
+            with shardd.Client(args.socket, reconnect_timeout=RECONNECT_TIMEOUT,
+                               zero_copy=args.zero_copy) as client, \
                     open(path, "a") as out:
                 stream = client.stream(args.dataset, epoch=epoch, rank=args.rank,
                                        world_size=args.world_size, worker=args.worker,
@@ -131,6 +132,7 @@ def main():
     p.add_argument("--until", type=float, required=True, help="start no epoch after this time")
     p.add_argument("--pause-every", type=float, default=0, help="mean seconds between pauses")
     p.add_argument("--pause-max", type=float, default=0, help="longest pause, seconds")
+    p.add_argument("--zero-copy", action="store_true", help="Client(zero_copy=True)")
     args = p.parse_args()
     out = pathlib.Path(args.out)
     name = f"{args.dataset}-r{args.rank}-w{args.worker}"

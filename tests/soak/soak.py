@@ -7,7 +7,8 @@ What runs: fake-gcs-server holding shards written by webdataset, the fault proxy
 (fault_proxy.py: 5xx, 429, resets, stalls, truncations) in front of it, one release
 `shardd serve` per host reaching the store only through the proxy, each with a cache budget
 below its share of the data, and one reader process (reader.py, the real Python client) per
-(host, dataset, rank, worker) reading epoch after epoch. Two datasets over the same shards:
+(host, dataset, rank, worker) reading epoch after epoch, every other one on the zero-copy
+path (`Client(zero_copy=True)`: shard files passed as descriptors, memoryviews of their maps). Two datasets over the same shards:
 `plain` (planned by shards) and `exact` (with a manifest: sample-level plans). Every few
 seconds a random reader or daemon is killed with SIGKILL and started again: a killed reader
 resumes with `start` where its output stops; a killed daemon is the client's own business
@@ -216,13 +217,14 @@ class Daemon:
 
 
 class Reader:
-    def __init__(self, daemon, dataset, rank, world, worker, workers, seed, out, until, pauses):
+    def __init__(self, daemon, dataset, rank, world, worker, workers, seed, out, until, pauses,
+                 zero_copy=False):
         self.daemon, self.dataset, self.rank, self.worker = daemon, dataset, rank, worker
         self.argv = [sys.executable, str(HERE / "reader.py"), "--socket", daemon.socket,
                      "--dataset", dataset, "--rank", str(rank), "--world-size", str(world),
                      "--worker", str(worker), "--workers", str(workers), "--seed", str(seed),
                      "--out", str(out), "--until", str(until), "--pause-every", str(pauses[0]),
-                     "--pause-max", str(pauses[1])]
+                     "--pause-max", str(pauses[1])] + (["--zero-copy"] if zero_copy else [])
         self.log = out / f"{dataset}-r{rank}-w{worker}.stderr"
         self.proc = None
         self.start()
@@ -316,7 +318,7 @@ def main():
     out.mkdir()
     pause_max = args.pause_max if args.pause_max is not None else 2.5 * args.stall_timeout
     readers = [Reader(daemons[h], ds, h * L + r, world, w, W, args.seed, out, until,
-                      (args.pause_every, pause_max))
+                      (args.pause_every, pause_max), zero_copy=(h * L + r + w) % 2 == 1)
                for h in range(H) for ds in DATASETS for r in range(L) for w in range(W)]
     log(f"{len(readers)} readers until {time.strftime('%H:%M:%S', time.localtime(until))}")
 
