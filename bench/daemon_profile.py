@@ -14,10 +14,10 @@ runs the daemon under valgrind's callgrind instead (instruction counts: repeatab
 machine, user space only, ~50x slower: use --epochs 1 and the 10k set), then
 `callgrind_annotate <out>` lists the functions.
 
-    .venv/bin/python bench/profile.py --size 10k                 # figures only
-    .venv/bin/python bench/profile.py --size 10k --perf          # + perf profile
-    .venv/bin/python bench/profile.py --size 10k --callgrind --epochs 1
-    .venv/bin/python bench/profile.py --zero-copy ...            # the zero-copy path
+    .venv/bin/python bench/daemon_profile.py --size 10k                 # figures only
+    .venv/bin/python bench/daemon_profile.py --size 10k --perf          # + perf profile
+    .venv/bin/python bench/daemon_profile.py --size 10k --callgrind --epochs 1
+    .venv/bin/python bench/daemon_profile.py --zero-copy ...            # the zero-copy path
 Environment variables are passed to the daemon (e.g. RUST_LOG).
 """
 
