@@ -276,3 +276,16 @@ def test_a_paused_zero_copy_reader_is_parked_and_goes_on(make_daemon, data, trai
         got += list(stream)
     assert [(s["__key__"], bytes(s["bin"])) for s in got] == [(s["__key__"], s["bin"]) for s in want]
     assert {type(s["bin"]) for s in got} == {memoryview, bytes}
+
+
+def test_releases_after_the_daemon_finished_sending_cost_no_reconnect(daemon, data, caplog):
+    """Descriptors are small: the daemon sends a whole zero-copy stream, END and closes while
+    the reader is still early in it. The reader's RELEASEs then meet a closed socket (EPIPE):
+    the stream reads on what is buffered, with no reconnect (and no warning)."""
+    want = [s["__key__"] for s in read(daemon.socket, "z", False)[0]]
+    with shardd.Client(daemon.socket, zero_copy=True) as c:
+        stream = c.stream("z", epoch=0, rank=0, world_size=1)
+        wait_for(lambda: daemon.metric("shardd_streams_active") == 0, "the daemon to finish sending")
+        keys = [s["__key__"] for s in stream]  # each sample dropped: its maps released
+    assert keys == want
+    assert stream.reconnects == 0 and not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -1164,8 +1164,14 @@ class Stream:
             if generation == self._generation:
                 ids.append(map_id)
         if ids:
-            self._sock.sendall(_HEADER.pack(4 * len(ids), KIND_RELEASE)
-                               + struct.pack(f"<{len(ids)}I", *ids))
+            try:
+                self._sock.sendall(_HEADER.pack(4 * len(ids), KIND_RELEASE)
+                                   + struct.pack(f"<{len(ids)}I", *ids))
+            except (BrokenPipeError, ConnectionResetError):
+                # The daemon closed its side: after END (the rest of the stream may still wait
+                # in the socket), or it went away (the next receive says so). Either way the
+                # connection's maps are freed with it: nothing to release.
+                pass
 
     def _forget_maps(self):
         """A connection ended: its map ids mean nothing to the next (memoryviews handed out
