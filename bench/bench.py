@@ -18,7 +18,8 @@ Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter
 
 2. --consumers processes at once (default 16: 8 ranks x 2 DataLoader-style workers) on the
    same cores: webdataset with each process reading its share of the shards, against shardd
-   with each process reading its own stream. Total samples/s and MB/s, best of --repeat.
+   with each process reading its own stream (both paths). Total samples/s and MB/s from the
+   first start to the last end, best of --repeat.
 
     .venv/bin/python bench/bench.py            # builds target/release/shardd first; ~6 min
     .venv/bin/python bench/bench.py --quick    # 200 MB per size, one repeat: ~1 min
@@ -275,10 +276,13 @@ def main():
                 if args.consumers:
                     n = args.consumers
                     wd = [(read_webdataset, (paths[i::n],)) for i in range(n)]
-                    sd = [(read_shardd, (sock, name, False, i // 2, n // 2, i % 2, 2)) for i in range(n)]
-                    many[name] = {"webdataset": (0, 0), "shardd": (0, 0)}
+                    runs = [("webdataset", wd)] + [
+                        ("shardd zero-copy" if zc else "shardd",
+                         [(read_shardd, (sock, name, zc, i // 2, n // 2, i % 2, 2)) for i in range(n)])
+                        for zc in paths_zc]
+                    many[name] = {label: (0, 0) for label, _ in runs}
                     for _ in range(args.repeat):
-                        for label, jobs in [("webdataset", wd), ("shardd", sd)]:
+                        for label, jobs in runs:
                             many[name][label] = max(many[name][label], measure_many(jobs), key=lambda x: x[1])
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -306,9 +310,12 @@ def main():
     if many:
         print(f"\n2. {args.consumers} consumers at once (shardd: {args.consumers // 2} ranks x 2 workers; best of {args.repeat})")
         for name, r in many.items():
-            w, s = r["webdataset"], r["shardd"]
-            print(f"{name}: webdataset {w[0]:.0f} samples/s {w[1]:.0f} MB/s; shardd {s[0]:.0f} samples/s "
-                  f"{s[1]:.0f} MB/s; shardd/webdataset = {s[0] / w[0]:.1f}x")
+            w = r["webdataset"]
+            line = f"{name}: webdataset {w[0]:.0f} samples/s {w[1]:.0f} MB/s"
+            for label, s in r.items():
+                if label != "webdataset":
+                    line += f"; {label} {s[0]:.0f} samples/s {s[1]:.0f} MB/s = {s[0] / w[0]:.1f}x"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -299,7 +299,9 @@ def test_kill_9_under_a_2_worker_loader(daemon, stateful):
     cls = StatefulDataLoader if stateful else torch_data.DataLoader
 
     def loader():
-        ds = st.ShardDataset("exact", socket=daemon.socket, reconnect_timeout=30)
+        # No next epoch opened ahead: its first frames would count in samples_sent below.
+        ds = st.ShardDataset("exact", socket=daemon.socket, reconnect_timeout=30,
+                             prefetch_next_epoch=False)
         return cls(ds, batch_size=2, num_workers=2, collate_fn=collate)
 
     first = loader()

@@ -98,6 +98,22 @@ def test_samples_are_webdataset_shaped_and_byte_exact(served):
         assert {k: v for k, v in s.items() if not k.startswith("__")} == served.reference[s["__key__"]]
 
 
+def test_zero_copy_samples_are_byte_exact(served):
+    """ShardDataset(zero_copy=True): the same samples, large fields as read-only memoryviews
+    (in the loader's own process: a memoryview cannot be pickled to it from a worker)."""
+    ds = st.ShardDataset("plain", socket=served.socket, zero_copy=True)
+    # torch's default conversion takes a memoryview for a sequence (a list of ints): the
+    # trainer's own collate_fn must take the views (here: as they are).
+    samples = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0,
+                                               collate_fn=lambda s: s))
+    assert len(samples) == len(served.reference)
+    views = 0
+    for s in samples:
+        fields = {k: v for k, v in s.items() if not k.startswith("__")}
+        views += sum(isinstance(v, memoryview) for v in fields.values())
+        assert {k: bytes(v) for k, v in fields.items()} == served.reference[s["__key__"]]
+    assert views == sum(len(v) > 4096 for r in served.reference.values() for v in r.values())
+
 def test_set_epoch_reaches_persistent_workers(served):
     ds = st.ShardDataset("exact", socket=served.socket, seed=1)
     loader = make_loader(ds, 2, persistent_workers=True)

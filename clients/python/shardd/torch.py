@@ -247,6 +247,12 @@ class ShardDataset(torch.utils.data.IterableDataset):
     another topology (any old rank's ``StatefulDataLoader.state_dict()``, or the dataset's own
     ``state_dict()``s): the dataset starts at that state's epoch and reads the rest of it,
     split over this job's ranks (see ``elastic_origin``); load no other state with it.
+    ``prefetch_next_epoch`` (default True): when a stream has been received to its end, open
+    the next epoch's ahead (``shardd.Client``). ``zero_copy`` (default False): fields over
+    4 KiB as read-only ``memoryview``s of the daemon's mapped cache files (``shardd.Client``).
+    Give the DataLoader a ``collate_fn`` that takes them (``torch.frombuffer``, a decoder):
+    torch's default conversion turns a memoryview into a list of ints, and a memoryview cannot
+    be pickled from a worker process to the trainer's.
 
     Yields webdataset-shaped dicts: ``{"__key__": str, "__url__": str, field: bytes, ...}``.
     There is no ``__len__``: see ``epoch_length``.
@@ -254,8 +260,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
                  timeout=None, check_plan=True, reconnect_timeout=RECONNECT_TIMEOUT,
-                 resume_from=None):
+                 resume_from=None, prefetch_next_epoch=True, zero_copy=False):
         super().__init__()
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        self.zero_copy = bool(zero_copy)
         self.dataset = str(dataset)
         self.socket = str(socket or os.environ.get("SHARDD_SOCKET") or DEFAULT_SOCKET)
         self.seed = int(seed)
@@ -329,7 +337,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         cached = self.__dict__.get("_client_of")
         if cached is None or cached[0] != os.getpid():
             cached = (os.getpid(), Client(self.socket, self.timeout, self.reconnect_timeout,
-                                                   prefetch_next_epoch=True))
+                                          prefetch_next_epoch=self.prefetch_next_epoch,
+                                          zero_copy=self.zero_copy))
             self._client_of = cached
         return cached[1]
 
