@@ -1057,8 +1057,9 @@ class Stream:
                                 f"object: {body[:200]!r}")
         return value
 
-    def _read_batch(self, length):
-        """Reads one BATCH body (``length`` bytes) and returns its samples."""
+    def _batch_head(self, length):
+        """Reads a BATCH or MAPPED_BATCH body up to its payload: (samples, field names, URLs,
+        descriptor words, payload bytes, max_piece)."""
         self._fill(_BATCH_HEADER.size, _BATCH_HEADER.size)
         n, n_words, n_names, n_urls, payload_offset, max_piece = _BATCH_HEADER.unpack_from(
             self._buf, self._lo
@@ -1076,6 +1077,11 @@ class Stream:
         words = struct.unpack_from(f"<{n_words}I", buf, p)
         self._lo += payload_offset
         payload = length - payload_offset
+        return n, names, urls, words, payload, max_piece
+
+    def _read_batch(self, length):
+        """Reads one BATCH body (``length`` bytes) and returns its samples."""
+        n, names, urls, words, payload, max_piece = self._batch_head(length)
         if max_piece >= DIRECT_MIN and self._direct:
             return _text_source(self._read_pieces(n, names, urls, words), names)
 
@@ -1216,22 +1222,7 @@ class Stream:
 
     def _read_mapped_batch(self, length):
         """A MAPPED_BATCH: as ``_read_batch``, with mapped fields as memoryview slices."""
-        self._fill(_BATCH_HEADER.size, _BATCH_HEADER.size)
-        n, n_words, n_names, n_urls, payload_offset, _ = _BATCH_HEADER.unpack_from(
-            self._buf, self._lo)
-        self._fill(payload_offset, payload_offset)
-        buf, mv = self._buf, self._mv
-        p = self._lo + _BATCH_HEADER.size
-        tables = []
-        for _ in range(n_names + n_urls):
-            (ln,) = _U32.unpack_from(buf, p)
-            p += 4
-            tables.append(str(mv[p : p + ln], "utf-8"))
-            p += ln
-        names, urls = tables[:n_names], tables[n_names:]
-        words = struct.unpack_from(f"<{n_words}I", buf, p)
-        self._lo += payload_offset
-        payload = length - payload_offset
+        n, names, urls, words, payload, _ = self._batch_head(length)
         self._fill(payload, payload)
         buf, mv = self._buf, self._mv
         p = self._lo
