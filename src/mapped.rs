@@ -23,7 +23,6 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{BufMut, BytesMut};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::net::unix::OwnedReadHalf;
@@ -312,31 +311,6 @@ fn send_with_fd(sock: &UnixStream, data: &[u8], fd: Option<&OwnedFd>) -> std::io
     Ok(sendmsg(sock, &[IoSlice::new(data)], &mut anc, flags)?)
 }
 
-/// Takes one batch off the front of `samples`: cut exactly as `protocol::encode_batch` cuts
-/// (a function of the samples alone, so a park re-encodes the same batch).
-pub fn take_batch(samples: &mut VecDeque<Sample>) -> Vec<Sample> {
-    let mut batch = Vec::new();
-    let (mut payload, mut parts) = (0usize, 1usize);
-    while let Some(s) = samples.front() {
-        let big = s
-            .fields
-            .iter()
-            .filter(|(_, d)| d.len() > protocol::INLINE_MAX)
-            .count();
-        if !batch.is_empty()
-            && (payload + s.payload_len() > protocol::BATCH_TARGET_BYTES
-                || parts + 2 * big + 1 > protocol::MAX_PARTS
-                || batch.len() >= protocol::BATCH_MAX_SAMPLES)
-        {
-            break;
-        }
-        payload += s.payload_len();
-        parts += 2 * big + 1;
-        batch.push(samples.pop_front().unwrap());
-    }
-    batch
-}
-
 /// A MAPPED_BATCH frame: as a BATCH, with `FIELD_WORDS` words per field; mapped fields take
 /// no payload.
 fn encode_frame(batch: &[Sample], decisions: &[Option<(u32, u64)>]) -> Result<Vec<Part>, String> {
@@ -353,10 +327,11 @@ fn encode_frame(batch: &[Sample], decisions: &[Option<(u32, u64)>]) -> Result<Ve
     let (mut payload, mut max_piece) = (0usize, 0usize);
     let mut d = decisions.iter();
     for s in batch {
-        words.push(index_of(&mut urls, &s.url) | ((s.fields.len() as u32) << 16));
-        words.push(s.key.len() as u32);
-        payload += s.key.len();
-        max_piece = max_piece.max(s.key.len());
+        words.push(protocol::index_of(&mut urls, &s.url) | ((s.fields.len() as u32) << 16));
+        let key = s.key.bytes().len();
+        words.push(key as u32);
+        payload += key;
+        max_piece = max_piece.max(key);
         for (name, data) in &s.fields {
             let len =
                 u32::try_from(data.len()).map_err(|_| format!("{}: a field over 4 GiB", s.url))?;
@@ -369,7 +344,7 @@ fn encode_frame(batch: &[Sample], decisions: &[Option<(u32, u64)>]) -> Result<Ve
                 }
             };
             words.extend_from_slice(&[
-                index_of(&mut names, name) | flag,
+                protocol::index_of(&mut names, name) | flag,
                 len,
                 map,
                 off as u32,
@@ -377,60 +352,18 @@ fn encode_frame(batch: &[Sample], decisions: &[Option<(u32, u64)>]) -> Result<Ve
             ]);
         }
     }
-    let tables: usize = names.iter().chain(urls.iter()).map(|t| 4 + t.len()).sum();
-    let payload_offset = BATCH_HEADER_LEN + tables + 4 * words.len();
-    let body_len = u32::try_from(payload_offset + payload)
-        .map_err(|_| "a batch frame is over the protocol's 4 GiB limit".to_string())?;
-    let mut head = BytesMut::with_capacity(HEADER_LEN + payload_offset + 4096);
-    head.put_u32_le(body_len);
-    head.put_u8(Kind::MappedBatch as u8);
-    for w in [
+    let head = protocol::frame_head(
+        Kind::MappedBatch,
         batch.len(),
-        words.len(),
-        names.len(),
-        urls.len(),
-        payload_offset,
+        &names,
+        &urls,
+        &words,
+        payload,
         max_piece,
-    ] {
-        head.put_u32_le(w as u32);
-    }
-    for t in names.iter().chain(urls.iter()) {
-        head.put_u32_le(t.len() as u32);
-        head.put_slice(t.as_bytes());
-    }
-    for w in &words {
-        head.put_u32_le(*w);
-    }
-    let mut out = Vec::new();
-    let mut inline = head;
+    )?;
     let mut d = decisions.iter();
-    for s in batch {
-        inline.put_slice(s.key.as_bytes());
-        for (_, data) in &s.fields {
-            match d.next().unwrap() {
-                Some(_) => {}
-                None if data.len() > protocol::INLINE_MAX => {
-                    out.push(Part::Inline(std::mem::take(&mut inline).freeze()));
-                    out.push(Part::Shard(data.clone()));
-                }
-                None => inline.put_slice(data),
-            }
-        }
-    }
-    if !inline.is_empty() {
-        out.push(Part::Inline(inline.freeze()));
-    }
+    let out = protocol::payload_parts(head, batch, || d.next().unwrap().is_some());
     Ok(out)
-}
-
-fn index_of<'a>(table: &mut Vec<&'a str>, item: &'a str) -> u32 {
-    match table.iter().position(|t| *t == item) {
-        Some(i) => i as u32,
-        None => {
-            table.push(item);
-            (table.len() - 1) as u32
-        }
-    }
 }
 
 /// A field of a decoded MAPPED_BATCH (the Rust side of the client's decoder, for tests).

@@ -230,11 +230,10 @@ impl Part {
     }
 }
 
-/// Takes samples from the front of `samples` for one batch (at least one) and encodes them as
-/// a BATCH frame: a list of parts to write in order.
-pub fn encode_batch(
-    samples: &mut std::collections::VecDeque<Sample>,
-) -> Result<(Vec<Part>, Vec<Sample>), String> {
+/// Takes samples from the front of `samples` for one batch (at least one): about
+/// `BATCH_TARGET_BYTES` of payload, within the iovec and sample limits. A function of the
+/// samples alone, so a batch cut by a park is cut the same again (BATCH and MAPPED_BATCH).
+pub fn take_batch(samples: &mut std::collections::VecDeque<Sample>) -> Vec<Sample> {
     let mut batch = Vec::new();
     let (mut payload, mut parts) = (0usize, 1usize);
     while let Some(s) = samples.front() {
@@ -254,7 +253,15 @@ pub fn encode_batch(
         parts += 2 * big + 1;
         batch.push(samples.pop_front().unwrap());
     }
+    batch
+}
 
+/// Takes samples from the front of `samples` for one batch and encodes them as a BATCH frame:
+/// a list of parts to write in order.
+pub fn encode_batch(
+    samples: &mut std::collections::VecDeque<Sample>,
+) -> Result<(Vec<Part>, Vec<Sample>), String> {
+    let batch = take_batch(samples);
     let mut names: Vec<&str> = Vec::new();
     let mut urls: Vec<&str> = Vec::new();
     let mut words: Vec<u32> = Vec::new();
@@ -274,9 +281,7 @@ pub fn encode_batch(
             })?);
         }
     }
-
-    let tables: usize = names.iter().chain(urls.iter()).map(|t| 4 + t.len()).sum();
-    let payload_offset = BATCH_HEADER_LEN + tables + 4 * words.len();
+    let payload = batch.iter().map(Sample::payload_len).sum();
     let max_piece = batch
         .iter()
         .flat_map(|s| {
@@ -284,32 +289,74 @@ pub fn encode_batch(
         })
         .max()
         .unwrap_or(0);
+    let head = frame_head(
+        Kind::Batch,
+        batch.len(),
+        &names,
+        &urls,
+        &words,
+        payload,
+        max_piece,
+    )?;
+    let out = payload_parts(head, &batch, || false);
+    Ok((out, batch))
+}
+
+/// A batch frame up to its payload: frame header, batch header, name and URL tables, words.
+/// `payload`: the bytes that follow it in the frame.
+pub(crate) fn frame_head(
+    kind: Kind,
+    samples: usize,
+    names: &[&str],
+    urls: &[&str],
+    words: &[u32],
+    payload: usize,
+    max_piece: usize,
+) -> Result<BytesMut, String> {
+    let tables: usize = names.iter().chain(urls.iter()).map(|t| 4 + t.len()).sum();
+    let payload_offset = BATCH_HEADER_LEN + tables + 4 * words.len();
     let body_len = u32::try_from(payload_offset + payload)
         .map_err(|_| "a batch frame is over the protocol's 4 GiB limit".to_string())?;
     let mut head = BytesMut::with_capacity(HEADER_LEN + payload_offset + 4096);
     head.put_u32_le(body_len);
-    head.put_u8(Kind::Batch as u8);
-    head.put_u32_le(batch.len() as u32);
-    head.put_u32_le(words.len() as u32);
-    head.put_u32_le(names.len() as u32);
-    head.put_u32_le(urls.len() as u32);
-    head.put_u32_le(payload_offset as u32);
-    head.put_u32_le(max_piece as u32);
+    head.put_u8(kind as u8);
+    for n in [
+        samples,
+        words.len(),
+        names.len(),
+        urls.len(),
+        payload_offset,
+        max_piece,
+    ] {
+        head.put_u32_le(n as u32);
+    }
     for t in names.iter().chain(urls.iter()) {
         head.put_u32_le(t.len() as u32);
         head.put_slice(t.as_bytes());
     }
-    for w in &words {
+    for w in words {
         head.put_u32_le(*w);
     }
     debug_assert_eq!(head.len(), HEADER_LEN + payload_offset);
+    Ok(head)
+}
 
-    // Payload: small pieces are appended to the running inline buffer, big ones go as-is.
-    let mut out = Vec::with_capacity(parts + 1);
+/// The frame's parts: `head`, then each sample's key and fields in order; small pieces are
+/// appended to the running inline buffer, big ones go as they are, and fields `skip` says
+/// (called once per field, in order) take no payload (a MAPPED_BATCH's mapped fields).
+pub(crate) fn payload_parts(
+    head: BytesMut,
+    batch: &[Sample],
+    mut skip: impl FnMut() -> bool,
+) -> Vec<Part> {
+    let mut out = Vec::new();
     let mut inline = head;
-    for s in &batch {
+    for s in batch {
         inline.put_slice(s.key.bytes());
         for (_, data) in &s.fields {
+            if skip() {
+                continue;
+            }
             if data.len() > INLINE_MAX {
                 out.push(Part::Inline(std::mem::take(&mut inline).freeze()));
                 out.push(Part::Shard(data.clone()));
@@ -321,10 +368,10 @@ pub fn encode_batch(
     if !inline.is_empty() {
         out.push(Part::Inline(inline.freeze()));
     }
-    Ok((out, batch))
+    out
 }
 
-fn index_of<'a>(table: &mut Vec<&'a str>, item: &'a str) -> u32 {
+pub(crate) fn index_of<'a>(table: &mut Vec<&'a str>, item: &'a str) -> u32 {
     match table.iter().position(|t| *t == item) {
         Some(i) => i as u32,
         None => {

@@ -275,7 +275,7 @@ async fn serve_from(
         let (parts, sent) = match job.zero_copy {
             None => protocol::encode_batch(&mut out).map_err(StreamError::Encode)?,
             Some(maps) => {
-                let batch = crate::mapped::take_batch(&mut out);
+                let batch = protocol::take_batch(&mut out);
                 let parts = maps
                     .encode(&ctx.cache, &batch, || live_urls(&lanes, &out))
                     .map_err(StreamError::Encode)?;

@@ -144,21 +144,34 @@ def test_kill_9_and_restart_mid_stream(daemon):
     assert [bytes(s["bin"]) for s in got] == [s["bin"] for s in want]
 
 
-def test_a_hostile_release_closes_only_its_connection(daemon):
+def raw_zero_copy_stream(daemon, after):
+    """A zero-copy stream request on a plain socket, followed at once by the bytes `after`
+    (in the socket before the stream starts: the daemon reads them while it serves)."""
     request = json.dumps({"op": "stream", "dataset": "z", "epoch": 0, "rank": 0,
                           "world_size": 1, "zero_copy": True}).encode()
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(str(daemon.socket))
-        s.sendall(b"SHARDD\x05\x00" + struct.pack("<IB", len(request), 1) + request)
-        assert s.recv(8, socket.MSG_WAITALL) == b"SHARDD\x05\x00"
-        ok = []
-        other = threading.Thread(target=lambda: ok.append(len(read(daemon.socket, "z", True)[0])))
-        other.start()
-        # A RELEASE of a map it never got: its connection is closed.
-        s.sendall(struct.pack("<IBI", 4, 9, 12345))
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(str(daemon.socket))
+    s.sendall(b"SHARDD\x05\x00" + struct.pack("<IB", len(request), 1) + request + after)
+    return s
+
+
+def read_until_closed(s):
+    try:
         while s.recv(65536):
             pass
+    except ConnectionResetError:
+        pass  # closed with our bytes unread: closed all the same
+
+
+def test_a_hostile_release_closes_only_its_connection(daemon):
+    ok = []
+    other = threading.Thread(target=lambda: ok.append(len(read(daemon.socket, "z", True)[0])))
+    # A RELEASE of a map it never got: its connection is closed.
+    with raw_zero_copy_stream(daemon, struct.pack("<IBI", 4, 9, 12345)) as s:
+        other.start()
+        assert s.recv(8, socket.MSG_WAITALL) == b"SHARDD\x05\x00"
+        read_until_closed(s)
         other.join(60)
         assert ok == [SHARDS * PER_SHARD]
     assert "RELEASE of map 12345, which this connection does not hold" in daemon.log_path.read_text()
@@ -166,18 +179,8 @@ def test_a_hostile_release_closes_only_its_connection(daemon):
 
 
 def test_garbage_after_the_request_closes_the_connection(daemon):
-    request = json.dumps({"op": "stream", "dataset": "z", "epoch": 0, "rank": 0,
-                          "world_size": 1, "zero_copy": True}).encode()
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(str(daemon.socket))
-        s.sendall(b"SHARDD\x05\x00" + struct.pack("<IB", len(request), 1) + request
-                  + b"GET / HTTP/1.1\r\n\r\n")
-        try:
-            while s.recv(65536):
-                pass
-        except ConnectionResetError:
-            pass  # closed with our bytes unread: closed all the same
+    with raw_zero_copy_stream(daemon, b"GET / HTTP/1.1\r\n\r\n") as s:
+        read_until_closed(s)
     assert "zero-copy client broke the protocol" in daemon.log_path.read_text()
 
 
