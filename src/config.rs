@@ -114,6 +114,7 @@ pub struct CacheSection {
     pub prefetch_shards: usize,
     pub revalidate: String,
     pub space_timeout: String,
+    pub index_memory: String,
 }
 
 impl Default for CacheSection {
@@ -124,6 +125,7 @@ impl Default for CacheSection {
             prefetch_shards: 4,
             revalidate: "10m".into(),
             space_timeout: "30s".into(),
+            index_memory: "256MiB".into(),
         }
     }
 }
@@ -249,6 +251,8 @@ pub struct Config {
     pub prefetch_shards: usize,
     pub revalidate: Duration,
     pub space_timeout: Duration,
+    /// Memory for the sample indexes of cached shards (`sample_index.rs`).
+    pub index_memory: u64,
     pub max_downloads: usize,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
@@ -474,6 +478,7 @@ impl FileConfig {
         }
         let revalidate = parse_duration(&self.cache.revalidate, "cache.revalidate")?;
         let space_timeout = parse_timeout(&self.cache.space_timeout, "cache.space_timeout")?;
+        let index_memory = parse_size(&self.cache.index_memory, "cache.index_memory")?;
         let part_size = parse_size(&self.store.part_size, "store.part_size")?;
         if part_size < 1 << 20 {
             return Err(invalid("store.part_size must be at least 1MiB"));
@@ -545,6 +550,7 @@ impl FileConfig {
             prefetch_shards: self.cache.prefetch_shards,
             revalidate,
             space_timeout,
+            index_memory,
             max_downloads: self.store.max_downloads,
             connect_timeout,
             read_timeout,

@@ -12,6 +12,7 @@ use crate::cache::{Cache, Limits, disk::OpenError};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::prefetch::{self, Plans};
+use crate::sample_index::SampleIndexes;
 use crate::server::{self, Daemon};
 use crate::store::{StoreError, Stores};
 use crate::stream::StreamContext;
@@ -139,6 +140,10 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
     let daemon = Arc::new(Daemon {
         streams: StreamContext {
             cache,
+            indexes: Arc::new(SampleIndexes::new(
+                usize::try_from(config.index_memory).unwrap_or(usize::MAX),
+                &metrics,
+            )),
             plans,
             metrics,
             stall_timeout: config.stall_timeout,

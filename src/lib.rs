@@ -16,6 +16,7 @@
 //! | plan | `plan.rs` | (seed, epoch, topology, rank, worker) → which samples (pieces of shards), in which order |
 //! | elastic | `elastic.rs` | a checkpoint's rest of the epoch, redistributed over another topology |
 //! | shard | `shard.rs` | tar bytes → WebDataset samples (zero-copy slices) |
+//! | sample index | `sample_index.rs` | where each sample of a cached shard lies: a shard read again is not parsed again |
 //! | shuffle | `shuffle.rs` | seeded generator; windowed sample shuffle |
 //! | stream | `stream.rs` | one stream: shards from the cache → parse → shuffle → batch frames |
 //! | protocol | `protocol.rs` | frames of `proto/PROTOCOL.md`, shared by server and client |
@@ -46,6 +47,7 @@ pub mod mix;
 pub mod plan;
 pub mod prefetch;
 pub mod protocol;
+pub mod sample_index;
 pub mod server;
 pub mod shard;
 pub mod shuffle;

@@ -59,6 +59,13 @@ pub struct Sample {
 pub struct Key(ShardBytes);
 
 impl Key {
+    /// The key spelled at `range` of `data` (which must be UTF-8 there: what an index of
+    /// `data`'s parse recorded).
+    pub fn slice_of(data: &ShardBytes, range: std::ops::Range<usize>) -> Key {
+        debug_assert!(std::str::from_utf8(&data[range.clone()]).is_ok());
+        Key(data.slice(range))
+    }
+
     /// The key's bytes (UTF-8), as the wire carries them.
     pub fn bytes(&self) -> &ShardBytes {
         &self.0

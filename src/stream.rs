@@ -36,7 +36,8 @@ use crate::metrics::{Active, Metrics};
 use crate::plan::{Piece, StreamPlan};
 use crate::prefetch::{Plans, ScheduleHandle, StreamId};
 use crate::protocol::{self, End, Kind, Part};
-use crate::shard::{self, Sample, ShardError};
+use crate::sample_index::SampleIndexes;
+use crate::shard::{Sample, ShardError};
 use crate::shuffle::WindowShuffle;
 use crate::sink::{SendError, Sink};
 use crate::status::{Live, Waiting};
@@ -140,6 +141,7 @@ pub struct Interleave {
 /// What every stream shares.
 pub struct StreamContext {
     pub cache: Cache,
+    pub indexes: Arc<SampleIndexes>,
     pub plans: Arc<Plans>,
     pub metrics: Arc<Metrics>,
     pub stall_timeout: Duration,
@@ -724,6 +726,7 @@ impl SampleOrder {
 /// without taking space from anyone.
 struct ShardReader<'a> {
     cache: &'a Cache,
+    indexes: &'a Arc<SampleIndexes>,
     dataset: &'a Dataset,
     queue: VecDeque<Piece>,
     /// The shard `next` returns, loading.
@@ -751,6 +754,7 @@ impl<'a> ShardReader<'a> {
     ) -> ShardReader<'a> {
         ShardReader {
             cache: &ctx.cache,
+            indexes: &ctx.indexes,
             dataset,
             queue: pieces.into(),
             current: None,
@@ -789,23 +793,21 @@ impl<'a> ShardReader<'a> {
         let piece = self.queue.pop_front()?;
         let shard = self.dataset.shards[piece.shard].clone();
         let cache = self.cache.clone();
+        let indexes = self.indexes.clone();
         Some(AbortOnDropHandle::new(tokio::spawn(async move {
-            let bytes = cache.get(&shard).await?;
+            let (bytes, id) = cache.get_identified(&shard).await?;
             let url: Arc<str> = Arc::from(shard.as_str());
-            let mut samples = tokio::task::spawn_blocking(move || shard::parse(&bytes, &url))
-                .await
-                .map_err(|e| StreamError::Internal(format!("{shard}: parsing failed: {e}")))??;
-            let count = piece.end.is_none().then_some(samples.len() as u64);
-            let end = piece.end.unwrap_or(samples.len() as u64);
-            if end > samples.len() as u64 {
+            let (samples, len) = tokio::task::spawn_blocking(move || {
+                indexes.samples(id, &bytes, &url, piece.start, piece.end)
+            })
+            .await
+            .map_err(|e| StreamError::Internal(format!("{shard}: parsing failed: {e}")))??;
+            if let Some(end) = piece.end.filter(|&end| end > len) {
                 return Err(StreamError::Manifest(format!(
-                    "{shard}: the manifest counts at least {end} samples, the shard has {}",
-                    samples.len()
+                    "{shard}: the manifest counts at least {end} samples, the shard has {len}"
                 )));
             }
-            samples.truncate(end as usize);
-            samples.drain(..piece.start as usize);
-            Ok((samples, count))
+            Ok((samples, piece.end.is_none().then_some(len)))
         })))
     }
 }

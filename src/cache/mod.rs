@@ -207,8 +207,11 @@ impl Ready {
         checked: Option<Instant>,
         last_used: u64,
     ) -> Ready {
+        /// Unique in this process: what is derived from an entry's bytes is kept by its id.
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ready {
             entry: Arc::new(Entry {
+                id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 path: disk.data_path(&meta),
                 meta,
                 charge,
@@ -224,6 +227,8 @@ impl Ready {
 
 /// One committed entry.
 struct Entry {
+    /// Never reused, not even for the same shard fetched again.
+    id: u64,
     meta: Meta,
     path: PathBuf,
     /// Bytes charged for it: data plus the record allowance.
@@ -320,6 +325,13 @@ impl Cache {
     /// load in progress or starts one. An entry whose file was deleted under the daemon
     /// (an operator, a cleaner) is fetched again.
     pub async fn get(&self, shard: &ShardUrl) -> Result<ShardBytes, FetchError> {
+        Ok(self.get_identified(shard).await?.0)
+    }
+
+    /// [`Cache::get`], and the id of the entry the bytes are (an id no other entry has had or
+    /// will have in this process: a shard fetched again is a new entry), for what is derived
+    /// from them and kept ([`crate::sample_index`]).
+    pub async fn get_identified(&self, shard: &ShardUrl) -> Result<(ShardBytes, u64), FetchError> {
         // More than two: another reader may have pinned the same missing entry, and it is
         // served to this one again until that pin is dropped.
         const ATTEMPTS: u32 = 3;
@@ -333,8 +345,10 @@ impl Cache {
                 entry: entry.clone(),
             };
             match map_entry(&entry).await {
-                Ok(Some(map)) => return Ok(ShardBytes::cache_file(Pinned { map, _pin: pin })),
-                Ok(None) => return Ok(ShardBytes::default()), // an empty shard; `pin` drops
+                Ok(Some(map)) => {
+                    return Ok((ShardBytes::cache_file(Pinned { map, _pin: pin }), entry.id));
+                }
+                Ok(None) => return Ok((ShardBytes::default(), entry.id)), // empty; `pin` drops
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound && attempts < ATTEMPTS => {
                     tracing::warn!(url = %shard, path = %entry.path.display(), "a cache file was deleted under the daemon: fetching it again");
                     drop(pin);

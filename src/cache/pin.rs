@@ -84,6 +84,10 @@ fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
     // on; the daemon never writes to a committed entry, and eviction unlinks it, which leaves
     // a mapping intact. (An operator truncating files inside cache.dir while the daemon runs
     // is outside this contract.)
-    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }?;
+    let map = unsafe { memmap2::MmapOptions::new().map(&file) }?;
+    // Start reading what the page cache lacks, without mapping every page (`MAP_POPULATE`
+    // did, at a cost per page each time a shard is mapped: most of the daemon's CPU for a
+    // zero-copy stream, which touches only the pages whose bytes it sends inline).
+    let _ = map.advise(memmap2::Advice::WillNeed);
     Ok(Some(map))
 }
