@@ -73,8 +73,9 @@ impl Inner {
     }
 }
 
-/// Maps a cache file read-only, pages read in (in a blocking thread, so that sending never
-/// faults on disk reads); `None` for an empty file, which cannot be mapped.
+/// Maps a cache file read-only (in a blocking thread) and asks the kernel to read into the
+/// page cache what it lacks, ahead of the sends that will touch it; `None` for an empty
+/// file, which cannot be mapped.
 fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
     let file = std::fs::File::open(path)?;
     if file.metadata()?.len() == 0 {
