@@ -19,13 +19,18 @@ Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter
 2. --consumers processes at once (default 16: 8 ranks x 2 DataLoader-style workers) on the
    same cores: webdataset with each process reading its share of the shards, against shardd
    with each process reading its own stream (both paths). Total samples/s and MB/s from the
-   first start to the last end, best of --repeat.
+   first start to the last end, best of --repeat. Each shardd consumer's stream is short
+   (1/16 of the set), so opening it (a few ms: connect, fill the first shuffle window) is a
+   large part of one epoch here, unlike in training: each is measured reading one epoch, and
+   with every consumer (webdataset too) reading for --many-seconds, epoch after epoch, as
+   a trainer does: the rate the host sustains, epoch boundaries included.
 
     .venv/bin/python bench/bench.py            # builds target/release/shardd first; ~6 min
     .venv/bin/python bench/bench.py --quick    # 200 MB per size, one repeat: ~1 min
 """
 
 import argparse
+import itertools
 import multiprocessing
 import os
 import pathlib
@@ -80,22 +85,36 @@ def measure(fn):
     return samples / dt, nbytes / dt / 1e6
 
 
-def read_webdataset(paths):
+def read_webdataset(paths, until=None):
+    """Reads ``paths`` once, or with ``until`` (a time.monotonic() deadline) pass after pass,
+    counting what it read by then."""
     samples = nbytes = 0
-    for s in wds.WebDataset([str(p) for p in paths], shardshuffle=False, empty_check=False):
-        samples += 1
-        nbytes += len(s["bin"]) + len(s["cls"])
-    return samples, nbytes
-
-
-def read_shardd(sock, dataset, zero_copy=False, rank=0, world_size=1, worker=0, num_workers=1):
-    samples = nbytes = 0
-    with shardd.Client(sock, **({"zero_copy": True} if zero_copy else {})) as c:
-        for s in c.stream(dataset, epoch=0, rank=rank, world_size=world_size, worker=worker,
-                          num_workers=num_workers):
+    while True:
+        for s in wds.WebDataset([str(p) for p in paths], shardshuffle=False, empty_check=False):
+            if until is not None and time.monotonic() > until:
+                return samples, nbytes
             samples += 1
             nbytes += len(s["bin"]) + len(s["cls"])
-    return samples, nbytes
+        if until is None:
+            return samples, nbytes
+
+
+def read_shardd(sock, dataset, zero_copy=False, rank=0, world_size=1, worker=0, num_workers=1,
+                until=None):
+    """Reads epoch 0 of one stream, or with ``until`` (a time.monotonic() deadline) epoch
+    after epoch (the next opened ahead, as shardd.torch does), counting what it read by then."""
+    samples = nbytes = 0
+    opts = {"zero_copy": True} if zero_copy else {}
+    with shardd.Client(sock, prefetch_next_epoch=until is not None, **opts) as c:
+        for epoch in itertools.count():
+            for s in c.stream(dataset, epoch=epoch, rank=rank, world_size=world_size, worker=worker,
+                              num_workers=num_workers):
+                if until is not None and time.monotonic() > until:
+                    return samples, nbytes
+                samples += 1
+                nbytes += len(s["bin"]) + len(s["cls"])
+            if until is None:
+                return samples, nbytes
 
 
 def zero_copy_offered():
@@ -193,20 +212,21 @@ def cpu_seconds(pid):
 
 # -- many consumers -----------------------------------------------------------------------
 
-def _consume(fn, args, ready, go, out):
+def _consume(fn, args, seconds, ready, go, out):
     ready.release()
     go.wait()
     t = time.perf_counter()
-    samples, nbytes = fn(*args)
+    samples, nbytes = fn(*args, **({"until": time.monotonic() + seconds} if seconds else {}))
     out.put((samples, nbytes, t, time.perf_counter()))
 
 
-def measure_many(jobs):
+def measure_many(jobs, seconds=None):
     """Runs ``jobs`` ((fn, args) pairs) in as many processes at once (forked, started
-    together); returns total samples/s and MB/s from the first start to the last end."""
+    together); returns total samples/s and MB/s from the first start to the last end: of one
+    pass each, or with ``seconds``, of what each read in that long (pass after pass)."""
     ctx = multiprocessing.get_context("fork")
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_consume, args=(fn, args, ready, go, out)) for fn, args in jobs]
+    procs = [ctx.Process(target=_consume, args=(fn, args, seconds, ready, go, out)) for fn, args in jobs]
     for p in procs:
         p.start()
     for _ in procs:
@@ -229,6 +249,8 @@ def main():
     ap.add_argument("--total-mb", type=int, default=800, help="dataset size at ~100 KB (half that at ~10 KB)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--consumers", type=int, default=16, help="processes of part 2 (even; 0 skips it)")
+    ap.add_argument("--many-seconds", type=float, default=3.0,
+                    help="part 2 also runs every consumer this long, epoch after epoch (0: not)")
     ap.add_argument("--no-litdata", action="store_true", help="skip litData (not installed, say)")
     ap.add_argument("--shardd", help="the daemon binary (default: build target/release/shardd)")
     ap.add_argument("--quick", action="store_true", help="--total-mb 200 --repeat 1")
@@ -276,14 +298,18 @@ def main():
                 if args.consumers:
                     n = args.consumers
                     wd = [(read_webdataset, (paths[i::n],)) for i in range(n)]
-                    runs = [("webdataset", wd)] + [
+                    runs = [("webdataset", wd, None)] + [
                         ("shardd zero-copy" if zc else "shardd",
-                         [(read_shardd, (sock, name, zc, i // 2, n // 2, i % 2, 2)) for i in range(n)])
+                         [(read_shardd, (sock, name, zc, i // 2, n // 2, i % 2, 2)) for i in range(n)], None)
                         for zc in paths_zc]
-                    many[name] = {label: (0, 0) for label, _ in runs}
+                    if args.many_seconds:
+                        runs += [(f"{label}, {args.many_seconds:g} s", jobs, args.many_seconds)
+                                 for label, jobs, _ in list(runs)]
+                    many[name] = {label: (0, 0) for label, _, _ in runs}
                     for _ in range(args.repeat):
-                        for label, jobs in runs:
-                            many[name][label] = max(many[name][label], measure_many(jobs), key=lambda x: x[1])
+                        for label, jobs, seconds in runs:
+                            many[name][label] = max(many[name][label], measure_many(jobs, seconds),
+                                                    key=lambda x: x[1])
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
@@ -310,12 +336,12 @@ def main():
     if many:
         print(f"\n2. {args.consumers} consumers at once (shardd: {args.consumers // 2} ranks x 2 workers; best of {args.repeat})")
         for name, r in many.items():
-            w = r["webdataset"]
-            line = f"{name}: webdataset {w[0]:.0f} samples/s {w[1]:.0f} MB/s"
+            print(f"{name}:")
             for label, s in r.items():
-                if label != "webdataset":
-                    line += f"; {label} {s[0]:.0f} samples/s {s[1]:.0f} MB/s = {s[0] / w[0]:.1f}x"
-            print(line)
+                timed = label.partition(", ")[2]
+                w = r["webdataset" + (f", {timed}" if timed else "")]
+                ratio = "" if label.startswith("webdataset") else f" = {s[0] / w[0]:.1f}x"
+                print(f"    {label:28} {s[0]:8.0f} samples/s {s[1]:6.0f} MB/s{ratio}")
 
 
 if __name__ == "__main__":
