@@ -64,7 +64,11 @@ _HEADER = struct.Struct("<IB")
 _BATCH_HEADER = struct.Struct("<IIIIII")
 _U32 = struct.Struct("<I")
 
-_INITIAL_BUFFER = 4 << 20
+# A stream's receive buffer starts small and doubles when a read needs more (frame heads,
+# runs of small pieces): a trainer's DataLoader workers open a stream per epoch, and a large
+# zeroed buffer per stream cost more than its samples at 16 short streams per host (fresh
+# pages: a fault and a clear each). Below glibc's mmap threshold, so it is reused memory.
+_INITIAL_BUFFER = 64 << 10
 # Pieces at least this large are received directly into their own bytes object.
 DIRECT_MIN = 64 << 10
 # START, END and ERROR bodies are small JSON objects; a larger one is not read (a peer that
