@@ -53,8 +53,16 @@ pub(super) async fn map_entry(entry: &Arc<Entry>) -> std::io::Result<Option<Arc<
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))?;
     Ok(mapped.map(|map| {
+        let mut live = entry.map.lock().unwrap();
+        // Another reader may have mapped the file meanwhile: share its mapping (and drop
+        // this one), so that every live slice of an entry lies in the one mapping
+        // `Cache::committed_file` finds; else a zero-copy stream's pieces would match no
+        // map and go inline.
+        if let Some(theirs) = live.upgrade() {
+            return theirs;
+        }
         let map = Arc::new(map);
-        *entry.map.lock().unwrap() = Arc::downgrade(&map);
+        *live = Arc::downgrade(&map);
         map
     }))
 }
@@ -88,7 +96,55 @@ fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
     let map = unsafe { memmap2::MmapOptions::new().map(&file) }?;
     // Start reading what the page cache lacks, without mapping every page (`MAP_POPULATE`
     // did, at a cost per page each time a shard is mapped: most of the daemon's CPU for a
-    // zero-copy stream, which touches only the pages whose bytes it sends inline).
-    let _ = map.advise(memmap2::Advice::WillNeed);
+    // zero-copy stream, which touches only the pages whose bytes it sends inline). Even
+    // WILLNEED looks up every page (~15 us per MB), so a file that looks resident is left
+    // to the faults' own read-ahead.
+    if !looks_resident(&file, map.len()) {
+        let _ = map.advise(memmap2::Advice::WillNeed);
+    }
     Ok(Some(map))
+}
+
+/// Whether a few pages spread over the file are all in the page cache: one-byte reads that
+/// must not wait for the disk (`RWF_NOWAIT`). False when any is not, or the kernel or file
+/// system cannot say.
+fn looks_resident(file: &std::fs::File, len: usize) -> bool {
+    const PROBES: usize = 16;
+    let mut byte = [0u8; 1];
+    (0..PROBES).all(|i| {
+        let offset = len.saturating_sub(1) / (PROBES - 1) * i;
+        let mut bufs = [std::io::IoSliceMut::new(&mut byte)];
+        matches!(
+            rustix::io::preadv2(
+                file,
+                &mut bufs,
+                offset as u64,
+                rustix::io::ReadWriteFlags::NOWAIT
+            ),
+            Ok(1)
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn a_file_out_of_the_page_cache_does_not_look_resident_and_a_read_one_does() {
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(&vec![7u8; 4 << 20]).unwrap();
+        file.sync_all().unwrap();
+        // Written back, so the kernel may drop the pages when asked to.
+        rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+        if super::looks_resident(&file, 4 << 20) {
+            // tmpfs and some file systems keep their pages: nothing to tell apart there.
+            eprintln!("skipped: this file system keeps the pages of a written file");
+            return;
+        }
+        let mut all = vec![0u8; 4 << 20];
+        file.read_exact_at(&mut all, 0).unwrap();
+        assert!(super::looks_resident(&file, all.len()));
+    }
 }

@@ -177,6 +177,32 @@ async fn concurrent_gets_read_the_source_once() {
     assert!(cache.get(&f.shard(0)).await.unwrap().spliceable().is_some());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_that_map_an_entry_at_once_share_one_mapping() {
+    // A cached entry no one holds: every reader maps it anew, and all race to. Zero-copy
+    // delivery passes a reader's pieces as (file, offset) only if they lie in the mapping
+    // the entry records; a reader left with a mapping of its own would send them inline.
+    let f = Fixture::new(1, 300_000);
+    let cache = f.open(10 << 20, HOUR);
+    drop(cache.get(&f.shard(0)).await.unwrap());
+    for _ in 0..5 {
+        let gets: Vec<_> = (0..16)
+            .map(|_| {
+                let (c, s) = (cache.clone(), f.shard(0));
+                tokio::spawn(async move { c.get(&s).await.unwrap() })
+            })
+            .collect();
+        let mut held = Vec::new();
+        for g in gets {
+            held.push(g.await.unwrap());
+        }
+        for bytes in &held {
+            assert_eq!(bytes.as_ptr(), held[0].as_ptr(), "one mapping");
+            assert!(cache.committed_file(f.shard(0).as_str(), bytes).is_some());
+        }
+    }
+}
+
 #[tokio::test]
 async fn the_budget_is_hard_and_pinned_entries_stay() {
     let size = 100_000u64;
