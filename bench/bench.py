@@ -222,8 +222,9 @@ def _consume(fn, args, seconds, ready, go, out):
 
 def measure_many(jobs, seconds=None):
     """Runs ``jobs`` ((fn, args) pairs) in as many processes at once (forked, started
-    together); returns total samples/s and MB/s from the first start to the last end: of one
-    pass each, or with ``seconds``, of what each read in that long (pass after pass)."""
+    together); returns total samples/s and MB/s from the first start to the last end, and that
+    time: of one pass each, or with ``seconds``, of what each read in that long (pass after
+    pass)."""
     ctx = multiprocessing.get_context("fork")
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_consume, args=(fn, args, seconds, ready, go, out)) for fn, args in jobs]
@@ -238,7 +239,7 @@ def measure_many(jobs, seconds=None):
     samples = sum(r[0] for r in results)
     nbytes = sum(r[1] for r in results)
     dt = max(r[3] for r in results) - min(r[2] for r in results)
-    return samples / dt, nbytes / dt / 1e6
+    return samples / dt, nbytes / dt / 1e6, dt
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -305,10 +306,14 @@ def main():
                     if args.many_seconds:
                         runs += [(f"{label}, {args.many_seconds:g} s", jobs, args.many_seconds)
                                  for label, jobs, _ in list(runs)]
-                    many[name] = {label: (0, 0) for label, _, _ in runs}
+                    many[name] = {label: (0, 0, 0) for label, _, _ in runs}
                     for _ in range(args.repeat):
                         for label, jobs, seconds in runs:
-                            many[name][label] = max(many[name][label], measure_many(jobs, seconds),
+                            before = cpu_seconds(proc.pid)
+                            sps, mbs, dt = measure_many(jobs, seconds)
+                            # The daemon's share of the machine's cores while they all read.
+                            share = (cpu_seconds(proc.pid) - before) / dt / os.cpu_count()
+                            many[name][label] = max(many[name][label], (sps, mbs, share),
                                                     key=lambda x: x[1])
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -340,7 +345,8 @@ def main():
             for label, s in r.items():
                 timed = label.partition(", ")[2]
                 w = r["webdataset" + (f", {timed}" if timed else "")]
-                ratio = "" if label.startswith("webdataset") else f" = {s[0] / w[0]:.1f}x"
+                ratio = "" if label.startswith("webdataset") else (
+                    f" = {s[0] / w[0]:5.1f}x; daemon CPU {100 * s[2]:3.0f}% of the {os.cpu_count()} cores")
                 print(f"    {label:28} {s[0]:8.0f} samples/s {s[1]:6.0f} MB/s{ratio}")
 
 

@@ -371,6 +371,15 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
     warm = overlap(stalls, warm_from, end) / (end - warm_from) if end > warm_from else 0.0
     out.append(f"stall overall {100 * total:.1f}% of {end - start:.1f}s; after the first sample arrived "
                f"{100 * warm:.1f}% of {end - warm_from:.1f}s")
+    # What the stall is made of after the first sample: many short ones are the next() call's
+    # own cost (~10 us each: it is stall whenever the consumer calls at or past the due time);
+    # waits of a millisecond or more are the consumer waiting for data.
+    late = [e - s for s, e in stalls if s >= warm_from]
+    if late:
+        waits = [d for d in late if d >= 1e-3]
+        out.append(f"after the first sample: {len(late)} stalls, median {1e6 * sorted(late)[len(late) // 2]:.0f} us; "
+                   f"{len(waits)} of them >= 1 ms, {100 * sum(waits) / (end - warm_from):.2f}% of the time "
+                   f"(longest {1e3 * max(late):.1f} ms)")
     out.append(f"object-store requests before the first stream: {dict(startup['requests']) or 'none'}")
     out.append("(lost: epoch time that is neither the consumer's work at the set rate nor stall: the "
                "consumer fell behind its schedule. More than a few % = the machine was too busy.)")
