@@ -13,8 +13,9 @@ Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter
    - raw Unix-socket bandwidth into this process (recv_into a 1 MiB buffer from a process that
      sends as fast as it can): the ceiling for any socket-based client.
    Prints samples/s and MB/s (best of --repeat), the ratios, and the daemon's own CPU time
-   (utime + stime from /proc/<pid>/stat, all threads) per sample and per GB served: the median
-   over the --repeat runs of each path.
+   (utime + stime from /proc/<pid>/stat, all threads) per sample and per GB served: over all
+   --repeat runs of each path (/proc counts 10 ms ticks: bench/daemon_profile.py reads many
+   epochs for a precise figure).
 
 2. --consumers processes at once (default 16: 8 ranks x 2 DataLoader-style workers) on the
    same cores: webdataset with each process reading its share of the shards, against shardd
@@ -37,7 +38,6 @@ import pathlib
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -292,7 +292,7 @@ def main():
                         used = cpu_seconds(proc.pid) - before
                         if label.startswith("shardd"):
                             samples, nbytes = holder["n"]
-                            cpu.setdefault((name, label), []).append((used / samples, used / nbytes * 1e9))
+                            cpu.setdefault((name, label), []).append((used, samples, nbytes))
                         best[label] = max(best[label], r, key=lambda x: x[1])
                     raw_best = max(raw_best, measure(lambda: read_raw(tmp, 2_000_000_000))[1])
                 rows[name] = best
@@ -319,13 +319,16 @@ def main():
             proc.send_signal(signal.SIGTERM)
             proc.wait()
 
-    print(f"\n1. one consumer (best of {args.repeat}; daemon CPU: median)")
+    print(f"\n1. one consumer (best of {args.repeat}; daemon CPU: over all {args.repeat} runs)")
     print(f"{'dataset':8} {'reader':17} {'samples/s':>11} {'MB/s':>8} {'daemon us/sample':>17} {'daemon CPU-s/GB':>16}")
     for name, best in rows.items():
         for label, (sps, mbs) in best.items():
             c = cpu.get((name, label))
-            us = f"{1e6 * statistics.median(x[0] for x in c):17.2f}" if c else f"{'':17}"
-            gb = f"{statistics.median(x[1] for x in c):16.3f}" if c else ""
+            # /proc counts in ticks (10 ms): a fast path's run is a few of them, so the figure is
+            # the runs' total CPU over their total samples, with its tick count.
+            used, samples, nbytes = (sum(x[i] for x in c) for i in range(3)) if c else (0, 1, 1)
+            us = f"{1e6 * used / samples:17.2f}" if c else f"{'':17}"
+            gb = f"{used / nbytes * 1e9:16.3f} ({round(used * TICK)} ticks)" if c else ""
             print(f"{name:8} {label:17} {sps:11.0f} {mbs:8.0f} {us} {gb}")
     print(f"{'':8} {'raw socket':17} {'':>11} {raw_best:8.0f}")
     print()
