@@ -85,12 +85,12 @@ def measure(fn):
     return samples / dt, nbytes / dt / 1e6
 
 
-def read_webdataset(paths, until=None):
-    """Reads ``paths`` once, or with ``until`` (a time.monotonic() deadline) pass after pass,
-    counting what it read by then."""
+def count(passes, until=None):
+    """Counts the samples and field bytes of the first of ``passes`` (sample iterables), or
+    with ``until`` (a time.monotonic() deadline) of pass after pass, until then."""
     samples = nbytes = 0
-    while True:
-        for s in wds.WebDataset([str(p) for p in paths], shardshuffle=False, empty_check=False):
+    for one_pass in passes:
+        for s in one_pass:
             if until is not None and time.monotonic() > until:
                 return samples, nbytes
             samples += 1
@@ -99,22 +99,22 @@ def read_webdataset(paths, until=None):
             return samples, nbytes
 
 
+def read_webdataset(paths, until=None):
+    """Reads ``paths`` once, or pass after pass until ``until`` (see ``count``)."""
+    names = [str(p) for p in paths]
+    return count((wds.WebDataset(names, shardshuffle=False, empty_check=False)
+                  for _ in itertools.count()), until)
+
+
 def read_shardd(sock, dataset, zero_copy=False, rank=0, world_size=1, worker=0, num_workers=1,
                 until=None):
-    """Reads epoch 0 of one stream, or with ``until`` (a time.monotonic() deadline) epoch
-    after epoch (the next opened ahead, as shardd.torch does), counting what it read by then."""
-    samples = nbytes = 0
+    """Reads epoch 0 of one stream, or epoch after epoch until ``until`` (the next opened
+    ahead, as shardd.torch does; see ``count``)."""
     opts = {"zero_copy": True} if zero_copy else {}
     with shardd.Client(sock, prefetch_next_epoch=until is not None, **opts) as c:
-        for epoch in itertools.count():
-            for s in c.stream(dataset, epoch=epoch, rank=rank, world_size=world_size, worker=worker,
-                              num_workers=num_workers):
-                if until is not None and time.monotonic() > until:
-                    return samples, nbytes
-                samples += 1
-                nbytes += len(s["bin"]) + len(s["cls"])
-            if until is None:
-                return samples, nbytes
+        return count((c.stream(dataset, epoch=epoch, rank=rank, world_size=world_size,
+                               worker=worker, num_workers=num_workers)
+                      for epoch in itertools.count()), until)
 
 
 def zero_copy_offered():
