@@ -99,31 +99,49 @@ fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
     // zero-copy stream, which touches only the pages whose bytes it sends inline). Even
     // WILLNEED looks up every page (~15 us per MB), so a file that looks resident is left
     // to the faults' own read-ahead.
-    if !looks_resident(&file, map.len()) {
+    if residency(&file, map.len()) != Some(true) {
         let _ = map.advise(memmap2::Advice::WillNeed);
     }
     Ok(Some(map))
 }
 
-/// Whether a few pages spread over the file are all in the page cache: one-byte reads that
-/// must not wait for the disk (`RWF_NOWAIT`). False when any is not, or the kernel or file
-/// system cannot say.
-fn looks_resident(file: &std::fs::File, len: usize) -> bool {
+/// Whether a file's pages look to be in the page cache: a one-byte read that must not wait
+/// for the disk (`RWF_NOWAIT`) at a random page of each sixteenth of the file (a read marks
+/// its page used, so fixed probes would keep their own pages cached and a mostly evicted
+/// file would look resident). `None` when the kernel or file system cannot say (tmpfs,
+/// kernels before 4.14).
+fn residency(file: &std::fs::File, len: usize) -> Option<bool> {
+    use std::sync::atomic::{AtomicU64, Ordering};
     const PROBES: usize = 16;
+    const PAGE: usize = 4096;
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let seed = CALLS.fetch_add(1, Ordering::Relaxed);
+    let pages = len.div_ceil(PAGE);
     let mut byte = [0u8; 1];
-    (0..PROBES).all(|i| {
-        let offset = len.saturating_sub(1) / (PROBES - 1) * i;
+    for i in 0..PROBES {
+        // Small files have fewer pages than probes: each page is probed once.
+        let (first, end) = (pages * i / PROBES, pages * (i + 1) / PROBES);
+        if first == end {
+            continue;
+        }
+        let page = first
+            + (mix(seed.wrapping_mul(PROBES as u64) + i as u64) % (end - first) as u64) as usize;
         let mut bufs = [std::io::IoSliceMut::new(&mut byte)];
-        matches!(
-            rustix::io::preadv2(
-                file,
-                &mut bufs,
-                offset as u64,
-                rustix::io::ReadWriteFlags::NOWAIT
-            ),
-            Ok(1)
-        )
-    })
+        let flags = rustix::io::ReadWriteFlags::NOWAIT;
+        match rustix::io::preadv2(file, &mut bufs, (page * PAGE) as u64, flags) {
+            Ok(1) => {}
+            Err(rustix::io::Errno::AGAIN) => return Some(false),
+            _ => return None,
+        }
+    }
+    Some(true)
+}
+
+/// splitmix64's finalizer: spreads a counter over 64 bits.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]
@@ -138,13 +156,39 @@ mod tests {
         file.sync_all().unwrap();
         // Written back, so the kernel may drop the pages when asked to.
         rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
-        if super::looks_resident(&file, 4 << 20) {
-            // tmpfs and some file systems keep their pages: nothing to tell apart there.
-            eprintln!("skipped: this file system keeps the pages of a written file");
-            return;
+        match super::residency(&file, 4 << 20) {
+            Some(false) => {}
+            Some(true) => return eprintln!("skipped: this file system keeps a file's pages"),
+            None => return eprintln!("skipped: this file system cannot say (no RWF_NOWAIT)"),
         }
         let mut all = vec![0u8; 4 << 20];
         file.read_exact_at(&mut all, 0).unwrap();
-        assert!(super::looks_resident(&file, all.len()));
+        // Every page is cached now, so every random choice of probes finds it so.
+        for _ in 0..8 {
+            assert_eq!(super::residency(&file, all.len()), Some(true));
+        }
+    }
+
+    #[test]
+    fn files_of_fewer_pages_than_probes_are_probed_within_their_length() {
+        let written = |len: usize| {
+            let mut file = tempfile::tempfile().unwrap();
+            file.write_all(&vec![7u8; len]).unwrap();
+            file
+        };
+        // A cached byte read without waiting: the file system answers RWF_NOWAIT.
+        let mut byte = [0u8];
+        let mut bufs = [std::io::IoSliceMut::new(&mut byte)];
+        let flags = rustix::io::ReadWriteFlags::NOWAIT;
+        if rustix::io::preadv2(written(1), &mut bufs, 0, flags) != Ok(1) {
+            return eprintln!("skipped: this file system cannot say (no RWF_NOWAIT)");
+        }
+        // A probe past the end would read nothing and answer None for these cached files.
+        for len in [1, 4096, 3 * 4096 + 5, 17 * 4096, 100_001] {
+            let file = written(len);
+            for _ in 0..32 {
+                assert_eq!(super::residency(&file, len), Some(true), "{len} bytes");
+            }
+        }
     }
 }

@@ -126,9 +126,10 @@ print(ds.rank, ds.world_size, jax.process_index(), jax.process_count())
 def test_rank_and_world_size_default_to_jax(served):
     # In a process of its own: JAX's runtime threads must not live in pytest's process, which
     # forks after this test (JAX warns that a fork may deadlock) and once aborted at exit.
-    out = subprocess.run([sys.executable, "-c", JAX_TOPOLOGY, served.socket], capture_output=True,
-                         text=True, timeout=300, check=True).stdout
-    assert out.split() == ["0", "1", "0", "1"]
+    run = subprocess.run([sys.executable, "-c", JAX_TOPOLOGY, served.socket], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1].split() == ["0", "1", "0", "1"]
 
 
 def test_grain_stages_compose_and_resume_exactly(served):
