@@ -51,6 +51,8 @@ import webdataset as wds  # noqa: E402
 
 SHARDS = 16
 TICK = os.sysconf("SC_CLK_TCK")
+# The cores this process may run on (its CPU affinity, which os.cpu_count() ignores).
+CORES = len(os.sched_getaffinity(0))
 
 
 def generate(directory, sample_bytes, total_bytes):
@@ -313,7 +315,7 @@ def main():
                             sps, mbs, dt = measure_many(jobs, seconds)
                             # The daemon's share of the cores while they all read (an upper bound:
                             # its CPU counts the streams' start-up and teardown, dt does not).
-                            share = (cpu_seconds(proc.pid) - before) / dt / len(os.sched_getaffinity(0))
+                            share = (cpu_seconds(proc.pid) - before) / dt / CORES
                             many[name][label] = max(many[name][label], (sps, mbs, share),
                                                     key=lambda x: x[1])
         finally:
@@ -350,7 +352,7 @@ def main():
                 timed = label.partition(", ")[2]
                 w = r["webdataset" + (f", {timed}" if timed else "")]
                 ratio = "" if label.startswith("webdataset") else (
-                    f" = {s[0] / w[0]:5.1f}x; daemon CPU {100 * s[2]:3.0f}% of the {len(os.sched_getaffinity(0))} cores")
+                    f" = {s[0] / w[0]:5.1f}x; daemon CPU {100 * s[2]:3.0f}% of the {CORES} cores")
                 print(f"    {label:28} {s[0]:8.0f} samples/s {s[1]:6.0f} MB/s{ratio}")
 
 

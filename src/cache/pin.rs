@@ -113,10 +113,10 @@ fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
 fn residency(file: &std::fs::File, len: usize) -> Option<bool> {
     use std::sync::atomic::{AtomicU64, Ordering};
     const PROBES: usize = 16;
-    const PAGE: usize = 4096;
     static CALLS: AtomicU64 = AtomicU64::new(0);
-    let seed = CALLS.fetch_add(1, Ordering::Relaxed);
-    let pages = len.div_ceil(PAGE);
+    let mut rng = crate::shuffle::SplitMix64::new(CALLS.fetch_add(1, Ordering::Relaxed));
+    let page_size = rustix::param::page_size();
+    let pages = len.div_ceil(page_size);
     let mut byte = [0u8; 1];
     for i in 0..PROBES {
         // Small files have fewer pages than probes: each page is probed once.
@@ -124,24 +124,16 @@ fn residency(file: &std::fs::File, len: usize) -> Option<bool> {
         if first == end {
             continue;
         }
-        let page = first
-            + (mix(seed.wrapping_mul(PROBES as u64) + i as u64) % (end - first) as u64) as usize;
+        let page = first + rng.below((end - first) as u64) as usize;
         let mut bufs = [std::io::IoSliceMut::new(&mut byte)];
         let flags = rustix::io::ReadWriteFlags::NOWAIT;
-        match rustix::io::preadv2(file, &mut bufs, (page * PAGE) as u64, flags) {
+        match rustix::io::preadv2(file, &mut bufs, (page * page_size) as u64, flags) {
             Ok(1) => {}
             Err(rustix::io::Errno::AGAIN) => return Some(false),
             _ => return None,
         }
     }
     Some(true)
-}
-
-/// splitmix64's finalizer: spreads a counter over 64 bits.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]
