@@ -32,6 +32,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::{self, PlanError, Shape, StreamRequest, Topology};
 
+/// The most streams an elastic resume may deal, counted over the new topology and every hop
+/// of its origin chain (`world_size × num_workers` each), times a mix's sources. The split
+/// lists every old and new stream's segments, so its time and memory grow with these
+/// numbers, and they come from a request: without a bound, one client could make the daemon
+/// allocate for four billion streams. 2^20 is 14× the streams of a full 8,960-chip pod slice
+/// with 8 workers per chip; at the bound a request costs well under a second and ~200 MB.
+pub const MAX_STREAMS: u64 = 1 << 20;
+/// The most hops of an origin chain (`from`): resumes of resumes, each a resize.
+pub const MAX_HOPS: usize = 16;
+
 /// Where a checkpoint was taken: the topology and how far each worker's stream had got.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,6 +139,7 @@ pub fn split(
     origin: &Origin,
 ) -> Result<Split, PlanError> {
     let counts = shape.counts.ok_or(PlanError::ElasticNeedsManifest)?;
+    check_size(req, origin, 1)?;
     if shape.resampled {
         return Err(PlanError::BadOrigin(
             "a resampled dataset has no remainder to redistribute: resume it at its own topology"
@@ -227,6 +238,7 @@ pub fn split_mix(
     origin: &Origin,
 ) -> Result<Vec<Split>, PlanError> {
     check(origin)?;
+    check_size(req, origin, weights.len() as u64)?;
     let old_req = StreamRequest {
         world_size: origin.world_size,
         num_workers: origin.num_workers,
@@ -424,6 +436,37 @@ fn base_lanes(
                 .collect()
         })
         .collect()
+}
+
+/// Refuses a resume whose split would deal more than [`MAX_STREAMS`] streams (`sources` lanes
+/// each) or chain more than [`MAX_HOPS`] origins, before anything is allocated for it.
+fn check_size(req: &StreamRequest, origin: &Origin, sources: u64) -> Result<(), PlanError> {
+    let streams = |world: u32, workers: u32| world as u64 * workers as u64;
+    let mut total = streams(req.world_size, req.num_workers);
+    let mut hops = 0;
+    let mut at = Some(origin);
+    while let Some(o) = at {
+        hops += 1;
+        if hops > MAX_HOPS {
+            return Err(PlanError::BadOrigin(format!(
+                "an origin chain of more than {MAX_HOPS} resumes (`from`)"
+            )));
+        }
+        total = total.saturating_add(streams(o.world_size, o.num_workers));
+        at = o.from.as_deref();
+    }
+    if total.saturating_mul(sources.max(1)) > MAX_STREAMS {
+        return Err(PlanError::BadOrigin(format!(
+            "{total} streams (world_size × num_workers, summed over the new topology and each \
+             origin{}) is more than an elastic resume deals ({MAX_STREAMS})",
+            if sources > 1 {
+                format!(", times {sources} sources")
+            } else {
+                String::new()
+            }
+        )));
+    }
+    Ok(())
 }
 
 fn check(o: &Origin) -> Result<(), PlanError> {
@@ -941,5 +984,62 @@ mod tests {
             plan(no_manifest, host, &req, &o(1, 1, vec![0])).unwrap_err(),
             PlanError::ElasticNeedsManifest
         );
+    }
+
+    /// The absurd topologies of a hostile request are refused before anything is allocated
+    /// for them (they used to abort the daemon, or take 14 s and 7.5 GB at 40,000,000).
+    #[test]
+    fn requests_past_the_bound_are_refused_before_any_work() {
+        let counts = vec![300_000u64; 4];
+        let shape = Shape {
+            counts: Some(&counts),
+            ..Shape::shards(4)
+        };
+        let host = Topology { index: 0, count: 1 };
+        let req = StreamRequest {
+            seed: 0,
+            epoch: 0,
+            rank: 0,
+            world_size: 1,
+            worker: 0,
+            num_workers: 1,
+        };
+        let origin = |world_size, num_workers| Origin {
+            hosts: 1,
+            world_size,
+            num_workers,
+            positions: vec![0; num_workers as usize],
+            from: None,
+        };
+        let refused = |r: Result<ElasticPlan, PlanError>| match r {
+            Err(PlanError::BadOrigin(m)) => m,
+            other => panic!("not refused: {other:?}"),
+        };
+        let m = refused(plan(shape, host, &req, &origin(4_000_000_000, 1)));
+        assert!(m.contains("4000000001 streams"), "{m}");
+        assert!(m.contains(&format!("({MAX_STREAMS})")), "{m}");
+        refused(plan(shape, host, &req, &origin(40_000_000, 1)));
+        // The new topology counts as well as the old one.
+        let wide = StreamRequest {
+            world_size: 1 << 20,
+            ..req
+        };
+        refused(plan(shape, host, &wide, &origin(1, 1)));
+        // A mix's split is per source.
+        let e = split_mix(&[1, 1, 1], 30, 1, &req, &origin(1 << 19, 1)).err();
+        assert!(matches!(e, Some(PlanError::BadOrigin(m)) if m.contains("times 3 sources")));
+        // A chain of resumes is bounded in hops, whatever its streams.
+        let mut chain = origin(1, 1);
+        for _ in 0..MAX_HOPS {
+            chain = Origin {
+                from: Some(Box::new(chain)),
+                ..origin(1, 1)
+            };
+        }
+        assert!(refused(plan(shape, host, &req, &chain)).contains("more than 16 resumes"));
+        // Just inside the bound is planned.
+        let at = MAX_STREAMS as u32 - 1;
+        let p = plan(shape, host, &req, &origin(1, at)).unwrap();
+        assert_eq!((p.remainder, p.samples), (at as u64, at as u64));
     }
 }

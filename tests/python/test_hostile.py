@@ -12,6 +12,7 @@ import pytest
 import shardd
 
 from conftest import BUCKET, error_frame, gcs_config, raw_exchange, reference_samples, wait_for
+from test_exact import exact_config, manifest  # noqa: F401  (the fixture)
 
 PREAMBLE = b"SHARDD\x02\x00"  # what a protocol-2 client sends (the daemon still serves it)
 
@@ -287,3 +288,50 @@ def test_the_daemon_lifts_its_open_files_limit(make_daemon, fake_gcs):
     daemon_soft, daemon_hard = line.split()[3:5]
     assert daemon_hard == (str(hard) if hard != resource.RLIM_INFINITY else "unlimited")
     assert daemon_soft == daemon_hard, line
+
+
+def test_absurd_elastic_origins_are_refused_at_once_and_the_daemon_serves_on(make_daemon, fake_gcs, train_paths,
+                                                                           manifest):
+    """An elastic resume's split deals every old and new stream: a `resume_from` of four billion
+    ranks aborted the daemon, and forty million took 14 s and 7.5 GB. Past the bound
+    (elastic::MAX_STREAMS, 2^20 streams over the chain) it is refused, naming the bound, and
+    the daemon keeps serving; 16 such requests at once cost it no memory to speak of."""
+    d = make_daemon(exact_config(fake_gcs, manifest))
+    good = GoodStream(d, train_paths)
+    bound = 1 << 20
+
+    def origin(world_size, num_workers=1, **more):
+        return {"hosts": 1, "world_size": world_size, "num_workers": num_workers,
+                "positions": [0] * num_workers, **more}
+
+    chain = origin(1)
+    for _ in range(16):
+        chain = origin(1, **{"from": chain})
+    cases = [
+        (origin(4_000_000_000), f"4000000001 streams (world_size × num_workers, summed over the new "
+                                f"topology and each origin) is more than an elastic resume deals ({bound})"),
+        (origin(40_000_000), "40000001 streams"),
+        (origin(1 << 16, num_workers=1 << 4), f"{(1 << 20) + 1} streams"),
+        (chain, "an origin chain of more than 16 resumes"),
+    ]
+    failures = []
+
+    def refuse(resume_from, message):
+        for op in ("stream", "plan"):
+            reply = raw_exchange(d.socket, b"SHARDD\x05\x00" + request(dataset="exact", op=op,
+                                                                       resume_from=resume_from))
+            err = error_frame(reply)
+            code, text = err["code"], err["message"]
+            if code != "bad_topology" or f"resume_from: {message}" not in text:
+                failures.append(f"{op} {str(resume_from)[:60]}: {code}: {text}")
+
+    before = vm_hwm(d.proc.pid)
+    threads = [threading.Thread(target=refuse, args=case) for case in cases for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert vm_hwm(d.proc.pid) - before < 64 << 20
+    assert d.proc.poll() is None
+    good.finish()
