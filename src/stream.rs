@@ -215,18 +215,24 @@ async fn serve_from(
             Some(m.mix.cursor(m.key, position)),
         ),
     };
+    // Where each lane stood when the stream opened: a lane set up again after a park inside
+    // a window it had cut before must count as having that window (`has_window`).
+    let opened_at = match &job.mix {
+        None => vec![job.start],
+        Some(m) => m.mix.counts_at(m.key, job.start),
+    };
     let mut counts = Some(counts);
     let mut lanes: Vec<LaneReader> = job
         .lanes
         .iter()
-        .zip(positions)
-        .map(|(lane, at)| {
+        .zip(positions.into_iter().zip(opened_at))
+        .map(|(lane, (at, opened_at))| {
             let counts = if job.lanes.len() == 1 {
                 counts.take()
             } else {
                 None
             };
-            LaneReader::new(ctx, job, lane, at, counts.unwrap_or(&mut []))
+            LaneReader::new(ctx, job, lane, at, opened_at, counts.unwrap_or(&mut []))
         })
         .collect();
     let mut out: VecDeque<Sample> = VecDeque::new();
@@ -246,8 +252,9 @@ async fn serve_from(
                 },
             };
             // A frame ends where the next sample's window is not cut yet: the client gets
-            // what is ready without waiting for more shards (and where a frame ends is a
-            // function of the position alone, so a park re-encodes it the same).
+            // what is ready without waiting for more shards. Where a frame ends is a function
+            // of the position alone (`has_window` says what an unbroken stream would have
+            // cut), so a park re-encodes a mix's frame the same too.
             if !out.is_empty() && !lanes[i].has_window() {
                 pending = Some(i);
                 break;
@@ -357,43 +364,48 @@ struct LaneReader<'a> {
     reader: ShardReader<'a>,
     order: SampleOrder,
     window: VecDeque<Sample>,
+    /// Set up again (after a park) inside a window that the stream, unbroken, would have cut
+    /// already: until that window is cut, it counts as cut.
+    window_due: bool,
     series: Series,
 }
 
 impl<'a> LaneReader<'a> {
-    /// Starts `lane` at its position `at` (samples of the lane before it).
+    /// Starts `lane` at its position `at` (samples of the lane before it); `opened_at`: its
+    /// position when the stream opened.
     fn new(
         ctx: &'a StreamContext,
         job: &Job<'a>,
         lane: &'a Lane<'a>,
-        mut at: u64,
+        at: u64,
+        opened_at: u64,
         counts: &'a mut [Option<u64>],
     ) -> LaneReader<'a> {
-        let mut run = 0;
-        while let Some(len) = lane.runs.get(run).and_then(Run::len)
-            && at >= len
-            && run + 1 < lane.runs.len()
-        {
-            at -= len;
-            run += 1;
-        }
-        let from = lane.runs.get(run).map_or(0, |r| r.from) + at;
+        let (run, from) = locate(lane, at);
         let (reader, order) = open_run(ctx, job, lane, run, from, counts);
+        // An unbroken stream starts each run without a window (where it opened, or at the
+        // run's start), then has one at every position but a window's first.
+        let began = match locate(lane, opened_at) {
+            (first, opened) if first == run => opened,
+            _ => lane.runs.get(run).map_or(0, |r| r.from),
+        };
         LaneReader {
             ctx,
             lane,
             run,
             at: from,
             reader,
+            window_due: from != began && order.skip > 0,
             order,
             window: VecDeque::new(),
             series: Series::new(&ctx.metrics, &lane.dataset.name),
         }
     }
 
-    /// Whether a sample is ready without cutting another window.
+    /// Whether the stream, read unbroken, would have the window of the lane's next sample
+    /// cut already (whether a frame may take it without waiting for more shards).
     fn has_window(&self) -> bool {
-        !self.window.is_empty()
+        !self.window.is_empty() || self.window_due
     }
 
     /// The lane's next sample, waiting for shards; `None` after its last run.
@@ -410,6 +422,7 @@ impl<'a> LaneReader<'a> {
             fill(&mut self.order, &mut self.reader, job, &self.series).await?;
             if let Some(window) = self.order.next_window() {
                 self.window = window;
+                self.window_due = false;
                 continue;
             }
             let Some(run) = self.lane.runs.get(self.run) else {
@@ -427,6 +440,19 @@ impl<'a> LaneReader<'a> {
             self.at = next.from;
         }
     }
+}
+
+/// The run of `lane` that holds lane position `at`, and the base position there.
+fn locate(lane: &Lane<'_>, mut at: u64) -> (usize, u64) {
+    let mut run = 0;
+    while let Some(len) = lane.runs.get(run).and_then(Run::len)
+        && at >= len
+        && run + 1 < lane.runs.len()
+    {
+        at -= len;
+        run += 1;
+    }
+    (run, lane.runs.get(run).map_or(0, |r| r.from) + at)
 }
 
 /// A reader and an order for run `k` of `lane` from its base position `from`, with the

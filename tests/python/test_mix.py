@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import shardd
 
-from conftest import SHARDD, reference_samples
+from conftest import SHARDD, reference_samples, wait_for
 
 E = 100  # samples per stream per epoch: quotas web 75, books 25
 WEIGHTS = {"books": 1, "web": 3}
@@ -214,3 +214,62 @@ def test_a_curriculum_changes_the_weights_and_each_source_continues(make_daemon,
     full, extra = divmod(len(flat), books)
     times = collections.Counter(collections.Counter(flat).values())
     assert times == ({full: books - extra, full + 1: extra} if extra else {full: books}), times
+
+
+@pytest.fixture(scope="module")
+def big_mix(tmp_path_factory):
+    """A 3:1 mix of two datasets of ~100 KB samples (so frames fill the socket and a pause
+    past the stall timeout cuts one), each with a manifest."""
+    import random
+
+    import webdataset as wds
+
+    root = tmp_path_factory.mktemp("bigmix")
+    rng = random.Random(23)
+    sections = []
+    for name, shards in [("web", 12), ("books", 6)]:
+        for s in range(shards):
+            with wds.TarWriter(str(root / f"{name}-{s:02d}.tar")) as sink:
+                for i in range(40):
+                    sink.write({"__key__": f"{name}{s}/{i:03d}", "bin": rng.randbytes(rng.randint(60_000, 140_000)),
+                                "cls": str(i % 5).encode()})
+        pattern = f"{root}/{name}-{{00..{shards - 1:02d}}}.tar"
+        manifest = root / f"{name}.manifest.json"
+        run = subprocess.run([SHARDD, "index", pattern, "-o", str(manifest)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        sections.append(f'[datasets.{name}]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 12\n')
+    return ("[host]\nindex = 0\ncount = 1\n" + "".join(sections)
+            + "[datasets.both]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 600\n")
+
+
+def pause(d, at):
+    """A trainer's pause (an evaluation pass): until the daemon parks the stream (or has it
+    parked still), or has sent all of it (zero copy's frames are mostly descriptors: the
+    rest of a stream can fit in the socket)."""
+    parks = d.metric("shardd_stream_parks_total")
+    wait_for(lambda: (d.metric("shardd_stream_parks_total") > parks or d.metric("shardd_streams_parked") == 1
+                      or d.metric("shardd_samples_sent_total") == 1200), f"a park after sample {at}")
+
+
+def test_a_mix_paused_past_the_stall_timeout_is_not_cut(make_daemon, big_mix, delivery):
+    """A park re-encodes the frame it cut from the stream's position. A mix's frame ended where
+    a lane had no window cut yet, and after a park every lane starts with none, so the frame
+    ended elsewhere and the daemon closed the connection mid-stream (3 of 3 pauses). Paused
+    three times past `stall_timeout`, with reconnecting off, the mix reads on unbroken: the
+    same samples in the same order as without a pause."""
+    d = make_daemon(big_mix, server='stall_timeout = "1s"')
+    args = dict(epoch=0, rank=0, world_size=1, seed=4)
+    with shardd.Client(d.socket, zero_copy=delivery) as c:
+        want = [(x["__key__"], bytes(x["bin"])) for x in c.stream("both", **args)]
+    assert len(want) == 600
+    got = []
+    with shardd.Client(d.socket, zero_copy=delivery, reconnect_timeout=0, readahead=0) as c:
+        s = c.stream("both", **args)
+        for n, x in enumerate(s):
+            got.append((x["__key__"], bytes(x["bin"])))
+            if n + 1 in (7, 150, 300):
+                pause(d, n + 1)
+    assert got == want
+    parks = d.metric("shardd_stream_parks_total")
+    assert parks == 3 if not delivery else 1 <= parks <= 3
+    assert d.metric('shardd_streams_total{dataset="both",outcome="completed"}') == 2
