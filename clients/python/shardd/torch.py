@@ -9,7 +9,9 @@ shardd[torch]``). Everything here is a thin layer over ``shardd.Client.stream``:
   ``__iter__`` runs inside the process that iterates; an iterator inherited across ``fork``
   refuses to go on (``ForkedStreamError``) and its copy of the socket is closed in the child.
 - **Ranks.** ``rank`` and ``world_size`` default to ``torch.distributed``'s when it is
-  initialised (else 0 and 1). They are read in the trainer's process, before workers exist.
+  initialised, else to PyTorch/XLA's (``torch_xla.runtime.global_ordinal()`` and
+  ``world_size()``) in the replicas of ``xmp.spawn`` or ``torch_xla.launch``, else 0 and 1.
+  They are read in the trainer's process, before workers exist.
 - **Epochs.** ``set_epoch(e)`` before each epoch, on every rank, as with
   ``DistributedSampler``. The epoch lives in shared memory, so persistent workers see it too.
   When ``torch.distributed`` is initialised, ``set_epoch`` checks with one
@@ -31,6 +33,7 @@ shardd[torch]``). Everything here is a thin layer over ``shardd.Client.stream``:
 
 import functools
 import os
+import sys
 import weakref
 
 import torch
@@ -68,6 +71,24 @@ def _distributed():
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist
     return None
+
+
+def _xla_topology():
+    """(global ordinal, world size) from PyTorch/XLA's runtime when this process runs replicas
+    of an XLA job (``xmp.spawn``, ``torch_xla.launch``), else None. Never imports torch_xla
+    (slow, and nothing to ask if the trainer did not), and never starts its runtime: asked in
+    the parent before ``xmp.spawn``, ``world_size()`` would start it there, and spawn would
+    then refuse. Not asked in a DataLoader worker: the trainer's process reads it and the
+    workers inherit it (a spawned worker would start a runtime of its own, of world size 1)."""
+    xla, xr = sys.modules.get("torch_xla"), sys.modules.get("torch_xla.runtime")
+    if xr is None or torch.utils.data.get_worker_info() is not None:
+        return None
+    started = getattr(getattr(xla, "_XLAC", None), "_xla_runtime_is_initialized", None)
+    if started is None or not started():
+        return None
+    world = xr.world_size()
+    # One replica says nothing the default does not, and leaves torch.distributed to come.
+    return (xr.global_ordinal(), world) if world > 1 else None
 
 
 def _ask(client, op, dataset, **kw):
@@ -235,7 +256,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     ``socket``: the daemon's socket (default: ``$SHARDD_SOCKET``, else
     ``/run/shardd/shardd.sock``). ``rank``/``world_size``: the trainer process among all of the
-    job's processes (default: ``torch.distributed``'s when initialised, else 0 and 1).
+    job's processes; what is not given comes from ``torch.distributed`` when it is initialised,
+    else from PyTorch/XLA's runtime (``global_ordinal()``, ``world_size()``) in the replicas of
+    ``xmp.spawn`` or ``torch_xla.launch`` (make the dataset in the replica's function), else
+    0 and 1.
     ``seed``: the run's seed, the same on every rank. ``epoch``: the first epoch
     (``set_epoch`` changes it). ``timeout``: the socket timeout in seconds (None: block).
     ``reconnect_timeout``: how long a stream waits for a daemon that went away (restarted,
@@ -288,15 +312,22 @@ class ShardDataset(torch.utils.data.IterableDataset):
     # -- topology and epochs ---------------------------------------------------------------
 
     def _resolve_topology(self):
-        """Fills rank/world_size from torch.distributed when it is initialised here. Called in
-        the trainer's process (init, set_epoch, pickling for spawned workers, main-process
-        iteration), so spawned workers, where it is not initialised, get the trainer's."""
+        """Fills the rank/world_size not given from torch.distributed when it is initialised
+        here, else from PyTorch/XLA's replicas. Called in the trainer's process (init,
+        set_epoch, pickling for spawned workers, main-process iteration), so spawned workers,
+        where neither is set up, get the trainer's. xmp.spawn starts XLA's runtime before it
+        calls the replica's function, so a dataset made there reads XLA's at init, in the
+        replica's thread: on CPU (and TPU v2/v3) the replicas are threads of one process, and
+        another thread (MpDeviceLoader's, which iterates the loader) would read ordinal 0."""
+        if self._rank is not None and self._world_size is not None:
+            return
         dist = _distributed()
-        if dist is not None:
+        found = (dist.get_rank(), dist.get_world_size()) if dist is not None else _xla_topology()
+        if found is not None:
             if self._rank is None:
-                self._rank = dist.get_rank()
+                self._rank = found[0]
             if self._world_size is None:
-                self._world_size = dist.get_world_size()
+                self._world_size = found[1]
 
     @property
     def rank(self):
