@@ -65,6 +65,7 @@ pub struct ServerSection {
     pub handshake_timeout: String,
     pub stall_timeout: String,
     pub zero_copy_maps: usize,
+    pub zero_copy_share: f64,
 }
 
 impl Default for ServerSection {
@@ -78,6 +79,7 @@ impl Default for ServerSection {
             handshake_timeout: "10s".into(),
             stall_timeout: "60s".into(),
             zero_copy_maps: 16,
+            zero_copy_share: 0.25,
         }
     }
 }
@@ -242,6 +244,8 @@ pub struct Config {
     pub stall_timeout: Duration,
     /// Shard files one zero-copy connection may hold mapped (protocol 5; 0: zero copy off).
     pub zero_copy_maps: usize,
+    /// Bytes the maps of all zero-copy connections may pin together.
+    pub zero_copy_bytes: u64,
     /// This host among the job's hosts; where `host_auto` says so, a placeholder until
     /// [`crate::host::resolve`] has found it.
     pub host: Topology,
@@ -470,6 +474,13 @@ impl FileConfig {
         }
 
         let cache_max_bytes = parse_size(&self.cache.max_size, "cache.max_size")?;
+        if !(0.0..=1.0).contains(&s.zero_copy_share) {
+            return Err(invalid(format!(
+                "server.zero_copy_share {} is not a share of cache.max_size between 0 and 1",
+                s.zero_copy_share
+            )));
+        }
+        let zero_copy_bytes = (cache_max_bytes as f64 * s.zero_copy_share) as u64;
         if self.cache.prefetch_shards == 0 {
             return Err(invalid("cache.prefetch_shards must be at least 1"));
         }
@@ -543,6 +554,7 @@ impl FileConfig {
             handshake_timeout,
             stall_timeout,
             zero_copy_maps: s.zero_copy_maps,
+            zero_copy_bytes,
             host,
             host_auto,
             cache_dir: self.cache.dir,

@@ -11,6 +11,11 @@
 //! a piece needs another map beyond that, it is sent inline (the socket path): the stream
 //! never waits because its client holds memoryviews.
 //!
+//! Bytes: maps of all connections together pin at most `server.zero_copy_share` of
+//! `cache.max_size` ([`MapBudget`]); a piece whose map would pass that goes inline too. So
+//! zero copy cannot fill the cache with pins that the socket path would not hold, whatever
+//! the shard size and the number of connections.
+//!
 //! A map is *active* while batches may still refer to it. When the stream needs a new map it
 //! first retires the active maps whose shard has no sample left in the stream (UNMAP: never
 //! referred to again); the client RELEASEs a retired map once nothing of it is alive. Only
@@ -20,6 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,10 +48,47 @@ pub const FIELD_WORDS: usize = 5;
 /// keeps the daemon (and its maps) close behind the client.
 pub const SEND_BUFFER: usize = 128 << 10;
 
+/// The bytes the maps of every connection may pin together (a share of the cache budget).
+pub struct MapBudget {
+    limit: u64,
+    used: AtomicU64,
+    gauge: prometheus::IntGauge,
+}
+
+impl MapBudget {
+    pub fn new(limit: u64, gauge: prometheus::IntGauge) -> MapBudget {
+        MapBudget {
+            limit,
+            used: AtomicU64::new(0),
+            gauge,
+        }
+    }
+
+    /// Takes `n` bytes if they fit.
+    fn take(&self, n: u64) -> bool {
+        let fits = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n).filter(|&u| u <= self.limit)
+            })
+            .is_ok();
+        if fits {
+            self.gauge.add(n as i64);
+        }
+        fits
+    }
+
+    fn give_back(&self, n: u64) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+        self.gauge.sub(n as i64);
+    }
+}
+
 /// One connection's maps.
 pub struct Maps {
     limit: usize,
     gauge: prometheus::IntGauge,
+    budget: Arc<MapBudget>,
     state: Mutex<State>,
 }
 
@@ -54,7 +97,7 @@ struct State {
     next_id: u32,
     active: Vec<Map>,
     /// Maps the client was told are unused (UNMAP), until it releases them.
-    retired: HashMap<u32, ShardBytes>,
+    retired: HashMap<u32, Map>,
     /// Frames to send before the next batch: (bytes, descriptor to attach).
     control: VecDeque<(Vec<u8>, Option<OwnedFd>)>,
     /// The decisions of the batch being sent, until it is whole: a batch cut by a park is
@@ -81,10 +124,11 @@ pub enum ReaderEnd {
 }
 
 impl Maps {
-    pub fn new(limit: usize, gauge: prometheus::IntGauge) -> Maps {
+    pub fn new(limit: usize, gauge: prometheus::IntGauge, budget: Arc<MapBudget>) -> Maps {
         Maps {
             limit,
             gauge,
+            budget,
             state: Mutex::new(State {
                 next_id: 1,
                 ..State::default()
@@ -101,8 +145,9 @@ impl Maps {
     /// A RELEASE of map `id`.
     pub fn release(&self, id: u32) -> Result<(), String> {
         let mut st = self.state.lock().unwrap();
-        if st.retired.remove(&id).is_some() {
+        if let Some(m) = st.retired.remove(&id) {
             self.gauge.dec();
+            self.budget.give_back(m.len as u64);
             return Ok(());
         }
         Err(match st.active.iter().any(|m| m.id == id) {
@@ -139,7 +184,17 @@ impl Maps {
         batch: &[Sample],
         live: impl FnOnce() -> Vec<Arc<str>>,
     ) -> Vec<Option<(u32, u64)>> {
-        let mut live = Some(live);
+        // Maps of shards the stream has no sample left of are retired at once (not when the
+        // next map is needed), so the client can release them as soon as it is done with them.
+        if st
+            .active
+            .iter()
+            .any(|m| !batch.iter().any(|s| s.url == m.url))
+        {
+            let mut keep = live();
+            keep.extend(batch.iter().map(|s| s.url.clone()));
+            self.retire(st, |url| !keep.iter().any(|k| **k == *url));
+        }
         let mut refused: Vec<Arc<str>> = Vec::new();
         let mut out = Vec::new();
         for s in batch {
@@ -161,14 +216,10 @@ impl Maps {
                     out.push(None);
                     continue;
                 }
-                if let Some(live) = live.take() {
-                    let mut keep = live();
-                    keep.extend(batch.iter().map(|s| s.url.clone()));
-                    self.retire(st, |url| !keep.iter().any(|k| **k == *url));
-                }
                 let mapped = (st.active.len() + st.retired.len() < self.limit)
                     .then(|| cache.committed_file(&s.url, data))
-                    .flatten();
+                    .flatten()
+                    .filter(|&(_, _, len)| self.budget.take(len as u64));
                 let Some((file, base, len)) = mapped else {
                     refused.push(s.url.clone());
                     out.push(None);
@@ -204,7 +255,7 @@ impl Maps {
             if gone(&st.active[i].url) {
                 let m = st.active.swap_remove(i);
                 ids.push(m.id);
-                st.retired.insert(m.id, m._holder);
+                st.retired.insert(m.id, m);
             } else {
                 i += 1;
             }
@@ -284,6 +335,10 @@ impl Maps {
 
 impl Drop for Maps {
     fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap();
+        let maps = st.active.iter().chain(st.retired.values());
+        let bytes: usize = maps.map(|m| m.len).sum();
+        self.budget.give_back(bytes as u64);
         self.gauge.sub(self.held() as i64);
     }
 }
@@ -511,16 +566,27 @@ mod tests {
         let f = unmap_frame(&[1, 2]);
         assert_eq!(f, [8, 0, 0, 0, 8, 1, 0, 0, 0, 2, 0, 0, 0]);
         let gauge = prometheus::IntGauge::new("g", "g").unwrap();
-        let maps = Maps::new(2, gauge.clone());
+        let bytes = prometheus::IntGauge::new("b", "b").unwrap();
+        let budget = Arc::new(MapBudget::new(10, bytes.clone()));
+        let maps = Maps::new(2, gauge.clone(), budget.clone());
+        assert!(budget.take(5));
         {
             let mut st = maps.state.lock().unwrap();
-            st.retired
-                .insert(7, ShardBytes::heap(Bytes::from_static(b"x")));
+            let map = Map {
+                id: 7,
+                url: "u".into(),
+                base: 0,
+                len: 5,
+                _holder: ShardBytes::heap(Bytes::from_static(b"x")),
+            };
+            st.retired.insert(7, map);
         }
         gauge.inc();
+        assert!(!budget.take(6), "past the budget");
         assert!(maps.release(8).unwrap_err().contains("does not hold"));
         maps.release(7).unwrap();
         assert!(maps.release(7).is_err(), "released twice");
-        assert_eq!((maps.held(), gauge.get()), (0, 0));
+        assert_eq!((maps.held(), gauge.get(), bytes.get()), (0, 0, 0));
+        assert!(budget.take(10));
     }
 }

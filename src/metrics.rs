@@ -66,6 +66,8 @@ pub struct Metrics {
     pub streams_parked: IntGauge,
     /// Shard files zero-copy clients hold mapped now (each pins its cache entry).
     pub zero_copy_maps: IntGauge,
+    /// Bytes those maps pin (at most server.zero_copy_share of the cache budget).
+    pub zero_copy_mapped_bytes: IntGauge,
     pub sample_index_bytes: IntGauge,
     pub shards_parsed_total: IntCounter,
 }
@@ -198,6 +200,7 @@ impl Metrics {
             cache_full_total: counter("cache_full_total", "Shards a stream needed that found no cache space within cache.space_timeout (the stream failed with cache_full)."),
             stream_parks_total: counter("stream_parks_total", "Times a stream was parked: its client took no data for server.stall_timeout, so it released its shards until the client reads again."),
             zero_copy_maps: gauge("zero_copy_maps", "Shard files zero-copy clients hold mapped now (each pins its cache entry until released)."),
+            zero_copy_mapped_bytes: gauge("zero_copy_mapped_bytes", "Bytes of the shard files zero-copy clients hold mapped now, per map (at most server.zero_copy_share of cache.max_size)."),
             sample_index_bytes: gauge("sample_index_bytes", "Memory the sample indexes of cached shards take (at most cache.index_memory)."),
             shards_parsed_total: counter("shards_parsed_total", "Shards whose tar was walked to find their samples: read first, or again after their index was dropped (cache.index_memory)."),
             streams_parked: gauge("streams_parked", "Streams parked now (their clients paused; they hold no shards)."),

@@ -374,6 +374,7 @@ async fn run_stream(
         crate::mapped::Maps::new(
             config.zero_copy_maps,
             daemon.streams.metrics.zero_copy_maps.clone(),
+            daemon.streams.map_budget.clone(),
         )
     });
     let job = stream::Job {

@@ -145,6 +145,8 @@ pub struct StreamContext {
     pub plans: Arc<Plans>,
     pub metrics: Arc<Metrics>,
     pub stall_timeout: Duration,
+    /// What zero-copy maps may pin, all connections together.
+    pub map_budget: Arc<crate::mapped::MapBudget>,
 }
 
 /// Serves one stream to `sock` through `sink`, from stream position `job.start` (samples

@@ -65,14 +65,16 @@ class ShardDataset(grain.IterDataset):
     seed, the same on every rank. ``epoch``: the first epoch; ``num_epochs``: how many an
     iterator reads (None: without end). ``num_streams``: daemon streams this process reads at
     once, each in a thread (more streams: more shards read and parsed in parallel by the
-    daemon, a deeper read-ahead). ``timeout``, ``reconnect_timeout``: as for ``Client``.
+    daemon, a deeper read-ahead). ``timeout``, ``reconnect_timeout``, ``zero_copy``: as for
+    ``Client`` (with zero copy, fields over 4 KiB are read-only memoryviews of the daemon's
+    cache files: a pipeline's first ``map`` should turn them into arrays).
 
     Iterators yield webdataset-shaped dicts: ``{"__key__": str, "__url__": str, field: bytes}``.
     """
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
                  num_epochs=1, num_streams=1, timeout=None,
-                 reconnect_timeout=RECONNECT_TIMEOUT):
+                 reconnect_timeout=RECONNECT_TIMEOUT, zero_copy=False):
         super().__init__()
         if rank is None or world_size is None:
             jax_rank, jax_world = _jax_topology()
@@ -90,6 +92,7 @@ class ShardDataset(grain.IterDataset):
         self.num_streams = int(num_streams)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        self.zero_copy = bool(zero_copy)
         # mp_prefetch's worker slice (set_slice): this process reads the streams whose index
         # is slice_start mod slice_step, of num_streams * slice_step in all.
         self._slice = (0, 1)
@@ -243,7 +246,8 @@ class ShardDatasetIterator(grain.DatasetIterator):
         self._identity = dict(dataset=ds.dataset, seed=ds.seed, rank=ds.rank,
                               world_size=ds.world_size, num_workers=self._num_workers,
                               workers=list(self._workers))
-        self._client = Client(ds.socket, ds.timeout, ds.reconnect_timeout, prefetch_next_epoch=True)
+        self._client = Client(ds.socket, ds.timeout, ds.reconnect_timeout, prefetch_next_epoch=True,
+                              zero_copy=ds.zero_copy)
         self._end_epoch = None if ds.num_epochs is None else ds.epoch + ds.num_epochs
         self._readers = None
         self._reset(ds.epoch)
