@@ -1,6 +1,6 @@
 """Writes the committed seed corpora (fuzz/seeds/<target>/). Run from anywhere:
 python3 fuzz/seeds/make_seeds.py. The tar seeds include two shards of the webdataset
-project's own test data (BSD-style license, see ../shared/testdata/webdataset/LICENSE)."""
+project's own test data (BSD-style license, see tests/data/webdataset/LICENSE)."""
 
 import io
 import json
@@ -11,7 +11,7 @@ import tarfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-TESTDATA = ROOT.parent / "shared" / "testdata" / "webdataset"
+TESTDATA = ROOT / "tests" / "data" / "webdataset"
 
 
 def out(target, name, data):

@@ -141,18 +141,36 @@ mod tests {
     use std::io::Write;
     use std::os::unix::fs::FileExt;
 
+    /// A new unnamed file beside the test binary (in the build's target directory): these
+    /// tests need a disk file system, which drops clean pages when asked and answers
+    /// `RWF_NOWAIT` (ext4, xfs, btrfs: what a cache directory is on). `/tmp` may be a tmpfs,
+    /// which does neither. The capability is checked, not assumed: a file system that cannot
+    /// say fails the test with its name, rather than passing it unrun.
+    fn disk_file() -> std::fs::File {
+        let exe = std::env::current_exe().unwrap();
+        let dir = exe.parent().unwrap();
+        let file = tempfile::tempfile_in(dir).unwrap();
+        let mut byte = [0u8];
+        let mut bufs = [std::io::IoSliceMut::new(&mut byte)];
+        let nowait = rustix::io::preadv2(&file, &mut bufs, 0, rustix::io::ReadWriteFlags::NOWAIT);
+        let kind = rustix::fs::fstatfs(&file).map(|s| s.f_type);
+        assert!(
+            nowait == Ok(0),
+            "{} (file system type {kind:#x?}) cannot say whether a page is cached \
+             (RWF_NOWAIT: {nowait:?}); build in a directory on ext4, xfs or btrfs",
+            dir.display()
+        );
+        file
+    }
+
     #[test]
     fn a_file_out_of_the_page_cache_does_not_look_resident_and_a_read_one_does() {
-        let mut file = tempfile::tempfile().unwrap();
+        let mut file = disk_file();
         file.write_all(&vec![7u8; 4 << 20]).unwrap();
         file.sync_all().unwrap();
-        // Written back, so the kernel may drop the pages when asked to.
+        // Written back, so the kernel drops the (clean) pages when asked to.
         rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
-        match super::residency(&file, 4 << 20) {
-            Some(false) => {}
-            Some(true) => return eprintln!("skipped: this file system keeps a file's pages"),
-            None => return eprintln!("skipped: this file system cannot say (no RWF_NOWAIT)"),
-        }
+        assert_eq!(super::residency(&file, 4 << 20), Some(false));
         let mut all = vec![0u8; 4 << 20];
         file.read_exact_at(&mut all, 0).unwrap();
         // Every page is cached now, so every random choice of probes finds it so.
@@ -164,17 +182,10 @@ mod tests {
     #[test]
     fn files_of_fewer_pages_than_probes_are_probed_within_their_length() {
         let written = |len: usize| {
-            let mut file = tempfile::tempfile().unwrap();
+            let mut file = disk_file();
             file.write_all(&vec![7u8; len]).unwrap();
             file
         };
-        // A cached byte read without waiting: the file system answers RWF_NOWAIT.
-        let mut byte = [0u8];
-        let mut bufs = [std::io::IoSliceMut::new(&mut byte)];
-        let flags = rustix::io::ReadWriteFlags::NOWAIT;
-        if rustix::io::preadv2(written(1), &mut bufs, 0, flags) != Ok(1) {
-            return eprintln!("skipped: this file system cannot say (no RWF_NOWAIT)");
-        }
         // A probe past the end would read nothing and answer None for these cached files.
         for len in [1, 4096, 3 * 4096 + 5, 17 * 4096, 100_001] {
             let file = written(len);

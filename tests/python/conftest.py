@@ -20,7 +20,9 @@ import webdataset as wds
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARDD = os.environ.get("SHARDD_BIN", str(ROOT / "target" / "debug" / "shardd"))
-TESTDATA = ROOT.parent / "shared" / "testdata" / "webdataset"
+# The webdataset project's own test shards (its testdata/ folder, BSD-style license; copied
+# unchanged from ../shared/testdata/webdataset: tests/data/webdataset/README.md says which).
+TESTDATA = ROOT / "tests" / "data" / "webdataset"
 DEADLINE = 30.0
 
 BUCKET = "bkt"

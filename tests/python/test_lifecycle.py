@@ -89,7 +89,10 @@ def test_host_auto_from_the_metadata_server(fake_gcs, tmp_path):
             # Host 1 of 4 serves ranks 2 and 3 of world 8.
             with pytest.raises(shardd.DaemonError, match="host 1 of 4 serves ranks 2..=3"):
                 c.stream("train", epoch=0, rank=0, world_size=8)
-            assert c.stream("train", epoch=0, rank=2, world_size=8).shards >= 0
+            # 12 shards over 4 hosts: 3 each (no leftovers); rank 2 is local rank 0 of the
+            # host's 2, which takes positions 0 and 2 of the host's epoch order: 2 shards.
+            with c.stream("train", epoch=0, rank=2, world_size=8) as stream:
+                assert stream.shards == 2
         out = stop(proc)
         assert "found this host's place index=1 count=4" in out.replace("\x1b[3m", "").replace("\x1b[0m", "").replace("\x1b[2m", ""), out
         assert len(meta.asked) == 2
@@ -177,7 +180,10 @@ def test_socket_activation_uses_the_passed_socket_and_leaves_it(fake_gcs, tmp_pa
 def test_sigterm_during_streams_and_downloads(make_daemon, fake_gcs, cutting_proxy, shard_dir):
     from conftest import BIG_SHARDS, big_payload
 
-    slow = cutting_proxy(rate=20 << 20)  # 8 MB shards: each download takes ~0.4 s
+    # 8 MB shards at 2 MB/s: each download takes ~4 s, a window a loaded runner does not miss
+    # (after the first sample the stream waits for the next shard's download: the signal must
+    # come while it waits, not once it is writing that 8 MB sample).
+    slow = cutting_proxy(rate=2 << 20)
     d = make_daemon(gcs_config(slow.endpoint, extra="[store]\nmax_downloads = 1\n"))
     with shardd.Client(d.socket, reconnect_timeout=0) as c:  # shutdown raised, not waited out
         stream = c.stream("big", epoch=0, rank=0, world_size=1)

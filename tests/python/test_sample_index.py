@@ -43,6 +43,10 @@ def config(data):
     return f'[datasets.x]\nshards = "{data}/x-{{0..{SHARDS - 1}}}.tar"\nshuffle_buffer = 5\n'
 
 
+def fields(sample):
+    return {k: v for k, v in sample.items() if not k.startswith("__")}
+
+
 def read_epochs(socket_path, zero_copy, epochs, world_size=1):
     out = []
     with shardd.Client(socket_path, zero_copy=zero_copy) as c:
@@ -66,8 +70,10 @@ def test_a_shard_is_walked_once_and_read_again_from_its_index(make_daemon, data,
     assert got[0] == got[3], "epoch 0 read again: the same order"
     assert got[0] != got[1], "another epoch: another order"
     reference = reference_samples(sorted(data.glob("x-*.tar")))
+    assert len(reference) == 12 * SHARDS
     for epoch in got:
-        assert {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in epoch} == reference
+        assert sorted(s["__key__"] for s in epoch) == sorted(reference), "each key once"
+        assert {s["__key__"]: fields(s) for s in epoch} == reference
 
 
 def test_ranks_and_a_resume_read_pieces_of_indexed_shards(make_daemon, data):
@@ -75,11 +81,20 @@ def test_ranks_and_a_resume_read_pieces_of_indexed_shards(make_daemon, data):
     starts mid-shard: made from the index, they are the samples a fresh walk gives."""
     indexed = make_daemon(config(data), name="indexed")
     walked = make_daemon(config(data), name="walked", cache='index_memory = "0"')
+    reference = reference_samples(sorted(data.glob("x-*.tar")))  # webdataset's reading
     read_epochs(indexed.socket, False, [0])  # every shard indexed
-    assert read_epochs(indexed.socket, False, [1], world_size=3) == read_epochs(walked.socket, False, [1], world_size=3)
+    ranks = read_epochs(indexed.socket, False, [1], world_size=3)
+    assert ranks == read_epochs(walked.socket, False, [1], world_size=3)
+    # The ranks' pieces put together: webdataset's samples, byte for byte, each key once.
+    assert sorted(s["__key__"] for r in ranks for s in r) == sorted(reference)
+    assert all(fields(s) == reference[s["__key__"]] for r in ranks for s in r)
+    (whole,) = read_epochs(walked.socket, False, [2])
+    assert sorted(s["__key__"] for s in whole) == sorted(reference)
+    assert all(fields(s) == reference[s["__key__"]] for s in whole)
     with shardd.Client(indexed.socket) as a, shardd.Client(walked.socket) as b:
         for start in [1, 13, 30]:
-            x = [s["__key__"] for s in a.stream("x", epoch=2, rank=0, world_size=1, start=start)]
+            x = list(a.stream("x", epoch=2, rank=0, world_size=1, start=start))
             y = [s["__key__"] for s in b.stream("x", epoch=2, rank=0, world_size=1, start=start)]
-            assert x == y and len(x) == 12 * SHARDS - start
+            assert [s["__key__"] for s in x] == y == [s["__key__"] for s in whole[start:]]
+            assert all(fields(s) == reference[s["__key__"]] for s in x)
     assert indexed.metric("shardd_shards_parsed_total") == SHARDS

@@ -19,7 +19,7 @@ import webdataset as wds
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import shardd.torch as st
-from conftest import DEADLINE, Daemon, reference_samples, serve_train_and_tiny
+from conftest import DEADLINE, Daemon, reference_samples, serve_train_and_tiny, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -117,9 +117,18 @@ def test_zero_copy_samples_are_byte_exact(served):
 def test_set_epoch_reaches_persistent_workers(served):
     ds = st.ShardDataset("exact", socket=served.socket, seed=1)
     loader = make_loader(ds, 2, persistent_workers=True)
-    for epoch in (0, 1, 5):
+    got = {}
+    for epoch in (0, 1, 5, 1):
         ds.set_epoch(epoch)
-        assert list(loader) == loader_order(streams(served.socket, "exact", epoch, 2, seed=1), BATCH)
+        got.setdefault(epoch, []).append(list(loader))
+        # What a fresh read of that epoch's streams gives: the epoch reached the workers.
+        assert got[epoch][-1] == loader_order(streams(served.socket, "exact", epoch, 2, seed=1), BATCH)
+    # Each epoch its own order (a daemon or worker that ignored the epoch would read one
+    # order three times), and epoch 1 read again is epoch 1 (determinism).
+    orders = [flat(got[epoch][0]) for epoch in (0, 1, 5)]
+    assert all(sorted(o) == sorted(orders[0]) for o in orders), "every epoch the same samples"
+    assert len({tuple(o) for o in orders}) == 3, "two epochs in the same order"
+    assert got[1][0] == got[1][1]
 
 
 def test_epoch_length_is_exact_with_a_manifest(served):
@@ -144,8 +153,22 @@ def test_plan_checks_and_lengths_open_no_stream(served, tmp_path):
         fingerprint = ds.verify_plan()
         planned = shardd.Client(d.socket).plan("exact", epoch=3, rank=0, world_size=1, seed=2,
                                                worker=1, num_workers=2)
-        assert d.metric("shardd_shard_fetches_total") == 0
+        # Positive events first, then the "nothing" checks. (1) The daemon has ended every
+        # connection the checks opened: a stream among them would be counted by then. (2) A
+        # stream opened after them, of another dataset (tiny: other shards), was read to its
+        # END and counted: a schedule the checks registered would have had that whole run to
+        # get its first shards loaded (the prefetcher walks every schedule round-robin).
+        wait_for(lambda: d.metric("shardd_connections_active") == 0, "the checks' connections to end")
         assert d.metric("shardd_streams_total") == 0
+        with shardd.Client(d.socket) as c:
+            tiny = c.stream("tiny", epoch=0, rank=0, world_size=1)
+            samples = list(tiny)
+            assert len(samples) == tiny.samples > 0
+        wait_for(lambda: d.metric('shardd_streams_total{dataset="tiny",outcome="completed"}') == 1
+                 and d.metric("shardd_downloads_active") == 0, "the tiny stream to be counted")
+        # The tiny shards, no more.
+        assert d.metric("shardd_shard_fetches_total") == len({s["__url__"] for s in samples})
+        assert d.metric("shardd_streams_total") == 1
         with shardd.Client(d.socket) as c:
             whole = c.stream("exact", epoch=3, rank=0, world_size=1, seed=2)
             one_of_two = c.stream("exact", epoch=3, rank=0, world_size=1, seed=2, worker=1, num_workers=2)

@@ -8,24 +8,33 @@ is cut off): it asks for ``start`` = the lines on disk, so the file must come ou
 uninterrupted read. A daemon that went away (killed, restarting) is the client's business: its
 own reconnect resumes the stream (``reconnect_timeout``), and the reader only records the
 client's warnings. Now and then the reader pauses (a trainer's evaluation pass), some pauses
-longer than the daemon's ``stall_timeout``. Daemon errors, the client's reconnect warnings and
-the pauses are appended to ``<name>.errors``; daemon errors are retried a few times; the soak
-reports them all.
+longer than the daemon's ``stall_timeout``; the pauses are drawn from ``--pause-seed`` (the
+soak derives it from its own seed). With ``--park-first`` its first pause comes right after
+the first sample of its first epoch and lasts until the daemon's ``/status`` shows the
+stream parked (a park the soak can count on, even in a short run). Daemon errors, the
+client's reconnect warnings, the pauses, the park, resumes (a start past 0) and the
+memoryviews a zero-copy epoch received are appended to ``<name>.errors``; daemon errors are
+retried a few times; the soak reports them all.
 """
 
 import argparse
 import hashlib
+import json
 import logging
+import os
 import pathlib
 import random
 import sys
 import time
+import urllib.request
 
 import shardd
 
 # A daemon's start checks the manifest through the faulty store: it can take minutes.
 RECONNECT_TIMEOUT = 180.0
 MAX_ERRORS_PER_EPOCH = 5
+# --park-first: how long the reader waits for the daemon to park its stream.
+PARK_DEADLINE = 120.0
 
 
 class Recorder(logging.Handler):
@@ -80,16 +89,26 @@ def read_epoch(args, epoch, path, errors, pauses):
                                        world_size=args.world_size, worker=args.worker,
                                        num_workers=args.workers, seed=args.seed, start=position)
                 assert stream.position == position, (stream.position, position)
-                n = position
+                if position:
+                    errors.write(f"RESUME\t{epoch}\t{position}\n")
+                    errors.flush()
+                n, views = position, 0
                 for sample in stream:
                     out.write(f"{sample['__key__']}\t{digest(sample)}\n")
                     n += 1
-                    if time.monotonic() >= pauses.due:
+                    views += sum(isinstance(v, memoryview) for v in sample.values())
+                    if pauses.park is not None:
+                        out.flush()
+                        pauses.until_parked(errors, epoch, args)
+                    elif time.monotonic() >= pauses.due:
                         out.flush()
                         pauses.pause(errors, epoch)
                 if stream.samples is not None and n != stream.samples:
                     raise AssertionError(f"{path.name}: {n} samples, START said {stream.samples}")
                 out.write(f"END\t{n}\n")
+            if args.zero_copy:
+                errors.write(f"VIEWS\t{epoch}\t{views}\n")
+                errors.flush()
             return
         except shardd.DaemonError as e:
             # About the data (e.g. a shard the faulty store failed too often): resume by hand.
@@ -105,10 +124,11 @@ class Pauses:
     average, for 0.1 to ``longest`` seconds (the soak makes that longer than the daemons'
     stall_timeout, so some paused streams are parked by the daemon)."""
 
-    def __init__(self, every, longest, seed):
+    def __init__(self, every, longest, seed, park=None):
         self.every, self.longest = every, longest
         self.rng = random.Random(seed)
         self.due = self._next()
+        self.park = park  # the /status URL, for the pause until parked (--park-first)
 
     def _next(self):
         if self.every <= 0:
@@ -122,6 +142,30 @@ class Pauses:
         time.sleep(seconds)  # the pause under test: a trainer that stops reading
         self.due = self._next()
 
+    def until_parked(self, errors, epoch, args):
+        """Stops reading until the daemon says this process's stream is parked (PARKED), or
+        is gone from its streams (NOPARK: it sent everything into the socket first) or the
+        deadline passed (NOPARK)."""
+        url, self.park = self.park, None
+        began = time.monotonic()
+        outcome = "NOPARK\tdeadline"
+        while time.monotonic() - began < PARK_DEADLINE:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    streams = [s for s in json.load(r)["streams"]
+                               if s["peer_pid"] == os.getpid() and s["dataset"] == args.dataset]
+            except OSError:
+                streams = None  # the daemon is restarting: ask again
+            if streams == []:
+                outcome = "NOPARK\tthe daemon finished sending the stream first"
+                break
+            if streams and streams[0]["waiting_on"] == "parked":
+                outcome = "PARKED"
+                break
+            time.sleep(0.1)  # polling the daemon's /status
+        errors.write(f"{outcome}\t{epoch}\t{time.monotonic() - began:.2f}\n")
+        errors.flush()
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -133,13 +177,16 @@ def main():
     p.add_argument("--pause-every", type=float, default=0, help="mean seconds between pauses")
     p.add_argument("--pause-max", type=float, default=0, help="longest pause, seconds")
     p.add_argument("--zero-copy", action="store_true", help="Client(zero_copy=True)")
+    p.add_argument("--pause-seed", required=True, help="seeds the pauses (a string)")
+    p.add_argument("--park-first", metavar="STATUS_URL",
+                   help="pause after the first sample until the daemon (its /status) parks the stream")
     args = p.parse_args()
     out = pathlib.Path(args.out)
     name = f"{args.dataset}-r{args.rank}-w{args.worker}"
     with open(out / f"{name}.errors", "a") as errors:
         recorder = Recorder(errors)
         logging.getLogger("shardd").addHandler(recorder)
-        pauses = Pauses(args.pause_every, args.pause_max, f"{name}-{time.time_ns()}")
+        pauses = Pauses(args.pause_every, args.pause_max, args.pause_seed, args.park_first)
         epoch = 0
         while True:
             path = out / f"{name}-e{epoch:03d}.log"

@@ -13,7 +13,11 @@ path (`Client(zero_copy=True)`: shard files passed as descriptors, memoryviews o
 seconds a random reader or daemon is killed with SIGKILL and started again: a killed reader
 resumes with `start` where its output stops; a killed daemon is the client's own business
 (its reconnect resumes every stream). Readers pause now and then, some for longer than the
-daemons' `stall_timeout` (the daemon parks those streams and resumes them).
+daemons' `stall_timeout` (the daemon parks those streams and resumes them). Everything random
+is drawn from `--seed` (printed; pauses from seeds derived from it), and so that a short run
+(CI: half a minute) exercises all of it, the first kills come early and deterministically (a
+reader that has read something at 3 s, a daemon of another host than the parking reader at
+6 s), and one reader's first pause lasts until its daemon has parked its stream.
 
 What it asserts, in a one-screen report (exit 1 on any failure):
 - every completed stream is byte-equal to webdataset's reading of the same samples, and in
@@ -22,6 +26,13 @@ What it asserts, in a one-screen report (exit 1 on any failure):
 - no daemon dies other than by the soak's kills, no reader fails (a reader fails on any error
   the client raises but a daemon error, retried a few times: a daemon restart must be
   invisible to it), and some readers paused longer than `stall_timeout`;
+- what it exercises happened, as the daemons, the kernel and the client saw it (not as the
+  soak meant it): at least one daemon and one reader died of SIGKILL (their wait status), a
+  killed reader resumed with `start` past 0, a client reconnected through a daemon's death,
+  the daemons counted parked streams (`shardd_stream_parks_total`, sampled every second and
+  summed over their restarts), the proxy injected every kind of fault and the daemons logged
+  retrying the store, zero-copy readers received memoryviews, and at least one `exact` epoch
+  was checked whole;
 - each cache directory never holds more than its budget (sampled every 50 ms);
 - open fds, threads and RSS of each daemon stay bounded, with no growth from the first third
   of the run to the last.
@@ -60,6 +71,8 @@ GRACE = 300.0  # after --minutes: for the epochs already started to end
 FD_BOUND = 512
 THREAD_BOUND = 64
 MiB = 1 << 20
+# The daemons' counters the soak samples every second (each counts since its daemon's start).
+COUNTERS = ("shardd_stream_parks_total",)
 
 
 def log(msg):
@@ -158,10 +171,12 @@ class Daemon:
 
     def kill_and_restart(self):
         """SIGKILL, then start again on a thread: a start checks the manifest through the
-        faulty store, which takes seconds, and the soak goes on sampling meanwhile."""
+        faulty store, which takes seconds, and the soak goes on sampling meanwhile. Returns
+        the killed process's wait status (-SIGKILL when the kill is what ended it)."""
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        code = self.proc.wait()
         self.restart()
+        return code
 
     def restart(self):
         def start():
@@ -184,15 +199,20 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
 
-    def parks(self):
-        """Streams parked since this daemon's last start (``shardd_stream_parks_total``)."""
+    def counters(self, names):
+        """The sums of these counter families now (they count from this daemon's last start),
+        or None when it does not answer (killed, restarting)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
                 text = r.read().decode()
         except OSError:
-            return 0
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("shardd_stream_parks_total"))
+            return None
+        out = dict.fromkeys(names, 0.0)
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in out:
+                out[name] += float(line.rsplit(" ", 1)[1])
+        return out
 
     def log_tail(self, lines=8):
         text = (self.dir / "shardd.log").read_text(errors="replace").splitlines()
@@ -218,20 +238,52 @@ class Daemon:
 
 class Reader:
     def __init__(self, daemon, dataset, rank, world, worker, workers, seed, out, until, pauses,
-                 zero_copy=False):
+                 zero_copy=False, park=False):
         self.daemon, self.dataset, self.rank, self.worker = daemon, dataset, rank, worker
+        self.name = f"{dataset}-r{rank}-w{worker}"
+        self.seed = seed
         self.argv = [sys.executable, str(HERE / "reader.py"), "--socket", daemon.socket,
                      "--dataset", dataset, "--rank", str(rank), "--world-size", str(world),
                      "--worker", str(worker), "--workers", str(workers), "--seed", str(seed),
                      "--out", str(out), "--until", str(until), "--pause-every", str(pauses[0]),
                      "--pause-max", str(pauses[1])] + (["--zero-copy"] if zero_copy else [])
-        self.log = out / f"{dataset}-r{rank}-w{worker}.stderr"
+        self.park = f"http://127.0.0.1:{daemon.metrics_port}/status" if park else None
+        self.log = out / f"{self.name}.stderr"
+        self.errors = out / f"{self.name}.errors"
+        self.out = out
+        self.starts = 0
         self.proc = None
         self.start()
 
     def start(self):
+        # Each start its own pauses, drawn from the soak's seed (a restart does not replay
+        # the pauses of the killed process); only the first start parks on purpose.
+        argv = self.argv + ["--pause-seed", f"{self.seed}-{self.name}-{self.starts}"]
+        if self.park and self.starts == 0:
+            argv += ["--park-first", self.park]
+        self.starts += 1
         with open(self.log, "a") as logf:
-            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
+
+    def records(self, kind):
+        """The lines of kind ``kind`` in its ``.errors`` file, split at tabs."""
+        if not self.errors.exists():
+            return []
+        return [line.split("\t") for line in self.errors.read_text().splitlines()
+                if line.startswith(kind + "\t")]
+
+    def park_done(self):
+        """Whether its pause until parked is over (or it never had one)."""
+        return not self.park or bool(self.records("PARKED") or self.records("NOPARK"))
+
+    def has_read(self):
+        """Whether a sample of its current epoch is on disk (a kill now makes it resume)."""
+        logs = sorted(self.out.glob(f"{self.name}-e*.log"))
+        if not logs:
+            return False
+        data = logs[-1].read_bytes()
+        lines = data[: data.rfind(b"\n") + 1].splitlines()
+        return bool(lines) and not lines[-1].startswith(b"END\t")
 
 
 # -- checks --------------------------------------------------------------------------------------
@@ -284,6 +336,7 @@ def main():
 
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="shardd-soak-"))
     work.mkdir(parents=True, exist_ok=True)
+    log(f"seed {args.seed} (--seed N to change it): data, faults, kills and pauses")
     rng = random.Random(args.seed)
     failures = []
     H, L, W = args.hosts, args.ranks_per_host, args.workers
@@ -317,18 +370,47 @@ def main():
     out = work / "streams"
     out.mkdir()
     pause_max = args.pause_max if args.pause_max is not None else 2.5 * args.stall_timeout
+    # The first reader (host 0, plain, rank 0, worker 0: the socket path) parks on purpose.
     readers = [Reader(daemons[h], ds, h * L + r, world, w, W, args.seed, out, until,
-                      (args.pause_every, pause_max), zero_copy=(h * L + r + w) % 2 == 1)
+                      (args.pause_every, pause_max), zero_copy=(h * L + r + w) % 2 == 1,
+                      park=(h, ds, r, w) == (0, DATASETS[0], 0, 0))
                for h in range(H) for ds in DATASETS for r in range(L) for w in range(W)]
+    parker = readers[0]
     log(f"{len(readers)} readers until {time.strftime('%H:%M:%S', time.localtime(until))}")
 
     kills = collections.Counter()
     cache_peak = [0] * H
     over = [0] * H  # samples of a cache directory over its budget
     samples = [[] for _ in range(H)]  # (time, rss, fds, threads)
+    counted = {}  # (host, pid) -> the daemon's counters when last sampled
     t0 = time.monotonic()
-    next_kill = t0 + rng.expovariate(1 / args.kill_every)
+    # The first two kills come early and deterministically (a short run must have both);
+    # then one every kill_every seconds on average.
+    first_kills = {"reader": t0 + 3.0, "daemon": t0 + 6.0}
+    next_kill = first_kills["daemon"] + rng.expovariate(1 / args.kill_every)
     next_sample = t0
+
+    def sample_counters():
+        for h, dm in enumerate(daemons):
+            c = dm.counters(COUNTERS)
+            if c is not None:
+                counted[h, dm.proc.pid] = c
+
+    def kill_reader(rd):
+        rd.proc.send_signal(signal.SIGKILL)
+        code = rd.proc.wait()
+        if code == -signal.SIGKILL:
+            kills["reader"] += 1
+        elif code != 0:  # 0: it had just finished its last epoch
+            failures.append(f"reader {rd.name} exited with {code}: {rd.log.read_text()[-400:]}")
+        rd.start()
+
+    def kill_daemon(dm):
+        code = dm.kill_and_restart()
+        if code == -signal.SIGKILL:
+            kills["daemon"] += 1
+        else:
+            failures.append(f"daemon {dm.dir.name} had exited with {code} before its kill")
     hard_end = time.time() + args.minutes * 60 + GRACE
     running = list(readers)
     while running:
@@ -347,6 +429,7 @@ def main():
                 r = dm.resources()
                 if r:
                     samples[h].append((now - t0, *r))
+            sample_counters()
         for rd in list(running):
             code = rd.proc.poll()
             if code is not None:
@@ -354,18 +437,26 @@ def main():
                 if code != 0:
                     failures.append(f"reader {rd.dataset} r{rd.rank} w{rd.worker} exited with "
                                     f"{code}: {rd.log.read_text()[-400:]}")
+        # Neither the parking reader nor its daemon is killed before its park is over.
+        parking = not parker.park_done()
+        spared_reader = [parker] if parking else []
+        spared_daemon = [parker.daemon] if parking else []
+        if time.time() < until and not kills["reader"] and now >= first_kills["reader"]:
+            ready = [rd for rd in running if rd not in spared_reader and rd.has_read()]
+            if ready:
+                kill_reader(rng.choice(ready))
+        if time.time() < until and not kills["daemon"] and now >= first_kills["daemon"]:
+            idle = [dm for dm in daemons if not dm.busy() and dm not in spared_daemon]
+            if idle:
+                kill_daemon(rng.choice(idle))
         if time.time() < until and now >= next_kill:
             next_kill = now + rng.expovariate(1 / args.kill_every)
-            idle = [dm for dm in daemons if not dm.busy()]
+            idle = [dm for dm in daemons if not dm.busy() and dm not in spared_daemon]
+            victims = [rd for rd in running if rd not in spared_reader]
             if rng.random() < 0.3 and idle:
-                rng.choice(idle).kill_and_restart()
-                kills["daemon"] += 1
-            elif running:
-                rd = rng.choice(running)
-                rd.proc.send_signal(signal.SIGKILL)
-                rd.proc.wait()
-                kills["reader"] += 1
-                rd.start()
+                kill_daemon(rng.choice(idle))
+            elif victims:
+                kill_reader(rng.choice(victims))
         if time.time() > hard_end:
             failures.append(f"{len(running)} readers still running {GRACE:.0f}s after the end")
             for rd in running:
@@ -379,7 +470,12 @@ def main():
         failures.extend(f"host {h}: {e}" for e in dm.start_errors)
     for dm in daemons:
         dm.resources()  # the last CPU figures
-    parks = sum(dm.parks() for dm in daemons)
+    sample_counters()  # the last counts (each daemon's since its last start)
+    parks = sum(c["shardd_stream_parks_total"] for c in counted.values())
+    # The store's faults as the daemons met them: their retries (object_store logs each one;
+    # the logs are appended to across restarts).
+    retries = sum((dm.dir / "shardd.log").read_text(errors="replace").count("object_store::client::retry")
+                  for dm in daemons)
     cpu = sum(sum(dm.cpu.values()) for dm in daemons)
     for h, dm in enumerate(daemons):
         code = dm.stop()
@@ -442,6 +538,7 @@ def main():
 
     reconnects = 0
     pauses, long_pauses = 0, 0
+    resumes = views = 0
     error_kinds = collections.Counter()
     for f in out.glob("*.errors"):
         for line in f.read_text().splitlines():
@@ -451,12 +548,39 @@ def main():
             elif kind[0] == "PAUSE":
                 pauses += 1
                 long_pauses += float(kind[2]) > args.stall_timeout
-            else:
+            elif kind[0] == "RESUME":  # a restarted reader's stream, accepted at start > 0
+                resumes += 1
+            elif kind[0] == "VIEWS":  # memoryviews a zero-copy epoch received
+                views += int(kind[2])
+            elif kind[0] == "ERROR":
                 error_kinds[kind[2]] += 1
     if error_kinds:
         failures.append(f"daemon errors in streams: {dict(error_kinds)}")
     if args.pause_every > 0 and pause_max > args.stall_timeout and not long_pauses:
         failures.append(f"no reader paused longer than stall_timeout ({args.stall_timeout:g} s)")
+    # What the soak exercises, as it really happened (not as the soak meant it).
+    if not kills["daemon"] or not kills["reader"]:
+        failures.append(f"SIGKILL ended {kills['daemon']} daemons and {kills['reader']} readers: "
+                        f"the soak exercises at least one of each")
+    if kills["reader"] and not resumes:
+        failures.append("no killed reader resumed its stream with start past 0")
+    if kills["daemon"] and not reconnects:
+        failures.append("no client reconnected through a daemon's death")
+    parked = parker.records("PARKED")
+    if not parked:
+        failures.append(f"{parker.name} did not see its stream parked: "
+                        f"{parker.records('NOPARK') or 'no record'}")
+    if not parks:
+        failures.append("the daemons counted no parked stream (shardd_stream_parks_total)")
+    missing = [k for k in FAULTS if not proxy.counts[k]]
+    if args.fault_rate > 0 and missing:
+        failures.append(f"the proxy injected no {', '.join(missing)}")
+    if args.fault_rate > 0 and not retries:
+        failures.append("the daemons logged no store retry: no fault reached them")
+    if not views:
+        failures.append("the zero-copy readers received no memoryview")
+    if not exact_epochs:
+        failures.append("no exact epoch completed on every stream: none was checked whole")
 
     growth = []
     for h, s in enumerate(samples):
@@ -489,13 +613,16 @@ def main():
     print(f"  store     {requests} requests through the proxy, {injected} faults "
           f"({injected / max(requests, 1):.1%}): "
           + ", ".join(f"{k} {proxy.counts[k]}" for k in FAULTS)
-          + f"; {proxy.bytes / MiB:.0f} MiB of bodies")
-    print(f"  kills     {kills['daemon']} daemons, {kills['reader']} readers (SIGKILL); "
-          f"{reconnects} stream outages the client reconnected through; daemon errors "
-          f"{dict(error_kinds) or 'none'}")
+          + f"; {proxy.bytes / MiB:.0f} MiB of bodies; {retries} retries in the daemons' logs")
+    print(f"  seed      {args.seed}")
+    print(f"  kills     {kills['daemon']} daemons, {kills['reader']} readers (ended by SIGKILL); "
+          f"{resumes} reader restarts resumed past 0; {reconnects} stream outages the client "
+          f"reconnected through; daemon errors {dict(error_kinds) or 'none'}")
     print(f"  pauses    {pauses} reader pauses of 0.1-{pause_max:g} s, {long_pauses} longer than "
-          f"stall_timeout {args.stall_timeout:g} s; {parks:.0f} streams parked (counted since "
-          f"each daemon's last start)")
+          f"stall_timeout {args.stall_timeout:g} s, and {parker.name}'s pause until parked "
+          f"({parked[0][2] if parked else '-'} s); {parks:.0f} streams parked (the daemons' "
+          f"counters, sampled every second, summed over restarts)")
+    print(f"  zero copy {views} fields received as memoryviews")
     print(f"  served    {total_samples} samples, {total_bytes / 2**30:.1f} GiB in completed streams; "
           f"daemons' CPU {cpu:.0f} s ({cpu / max(total_bytes / 1e9, 1e-9):.2f} s per GB; the killed "
           f"ones' last second not counted)")
