@@ -1,0 +1,427 @@
+"""The conformance matrix (issue 23): every promise in every combination of dataset mode,
+delivery, reader and event.
+
+A cell reads one epoch of a 2-rank job (1 host) through one reader while one event happens
+after its fifth sample. Its oracle is the same cell read without the event (the same samples,
+in the same order, on every rank) and the contract of its mode: byte-equal to webdataset's
+reading of the same tars, every sample once per epoch across ranks, equal counts per rank, a
+mix's ±1 prefix bound, resampled lengths. A combination the daemon refuses (an elastic resume
+of a dataset without sample counts) checks the refusal's message.
+
+CI runs a covering subset: every pair of axis values (of the cells that apply) at least once,
+chosen deterministically. `SHARDD_MATRIX=full` runs every cell. The run prints the matrix as a
+table (`pytest -s`, or the summary at the end of the session's output)."""
+
+import collections
+import gzip
+import hashlib
+import itertools
+import os
+import random
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import shardd
+import webdataset as wds
+
+from conftest import SHARDD, reference_samples, wait_for
+
+MODES = ["shards", "manifest", "mix", "resampled", "tgz", "zst"]
+DELIVERIES = ["socket", "zero_copy"]
+READERS = ["client", "torch", "stateful", "grain"]
+EVENTS = ["none", "pause", "slow", "kill9", "restart", "resume", "elastic", "budget", "deleted"]
+
+SHARDS, PER_SHARD = 24, 20
+WORLD, SEED, EPOCH, AT = 2, 3, 0, 5
+MIX_E, RESAMPLED_E = 200, 200
+# Samples of about 100 KB, ten to a frame, and streams of 20 MB and more: a stream's rest after
+# a pause is more than the socket and the client's read-ahead hold, so a pause parks it and
+# cuts a frame of several samples (what a park must re-encode the same).
+SHARD_BYTES = PER_SHARD * 100_000
+
+
+def applies(mode, delivery, reader, event):
+    """Whether a cell means something. An elastic resume is a Client's request (the adapters
+    resume at their own topology); only the stateful readers save a state to resume from."""
+    if event == "elastic" and reader != "client":
+        return False
+    if event == "resume" and reader == "torch":
+        return False
+    return True
+
+
+def covering(axes, valid):
+    """A deterministic set of cells holding every pair of values of two axes (that some valid
+    cell holds) at least once: greedy, most uncovered pairs first, ties by axis order."""
+    cells = [c for c in itertools.product(*axes) if valid(*c)]
+
+    def pairs(cell):
+        return {(i, cell[i], j, cell[j]) for i, j in itertools.combinations(range(len(cell)), 2)}
+
+    left = set().union(*map(pairs, cells))
+    chosen = []
+    while left:
+        best = max(cells, key=lambda c: len(pairs(c) & left))
+        chosen.append(best)
+        left -= pairs(best)
+    return chosen
+
+
+FULL = os.environ.get("SHARDD_MATRIX") == "full"
+CELLS = ([c for c in itertools.product(MODES, DELIVERIES, READERS, EVENTS) if applies(*c)] if FULL
+         else covering([MODES, DELIVERIES, READERS, EVENTS], applies))
+RESULTS = {}
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The tars (webdataset's TarWriter), gzipped and zstd'ed copies, manifests; the config
+    body of every mode's dataset; and webdataset's reading of the tars."""
+    root = tmp_path_factory.mktemp("matrix")
+    rng = random.Random(77)
+    tars = []
+    for s in range(SHARDS):
+        path = root / f"m-{s:02d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for i in range(PER_SHARD):
+                sink.write({"__key__": f"s{s:02d}/{i:02d}", "bin": rng.randbytes(rng.randint(60_000, 140_000)),
+                            "cls": str(i % 3).encode()})
+        tars.append(path)
+        (root / f"m-{s:02d}.tgz").write_bytes(gzip.compress(path.read_bytes(), 1))
+        subprocess.run(["zstd", "-q", "-3", str(path), "-o", str(root / f"m-{s:02d}.tar.zst")], check=True)
+    for s in range(3):
+        with wds.TarWriter(str(root / f"other-{s}.tar")) as sink:
+            for i in range(PER_SHARD):
+                sink.write({"__key__": f"o{s}/{i:02d}", "bin": rng.randbytes(100_000)})
+
+    def pattern(first, last, ext="tar"):
+        return f"{root}/m-{{{first:02d}..{last:02d}}}.{ext}"
+
+    def manifest(name, pat):
+        out = root / f"{name}.manifest.json"
+        run = subprocess.run([SHARDD, "index", pat, "-o", str(out)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return out
+
+    last = SHARDS - 1
+    full = manifest("all", pattern(0, last))
+    sections = {
+        "shards": f'shards = "{pattern(0, last)}"',
+        "manifest": f'shards = "{pattern(0, last)}"\nmanifest = "{full}"',
+        "web": f'shards = "{pattern(0, 15)}"\nmanifest = "{manifest("web", pattern(0, 15))}"',
+        "books": f'shards = "{pattern(16, last)}"\nmanifest = "{manifest("books", pattern(16, last))}"',
+        "mix": f"mix = {{ web = 3, books = 1 }}\nsamples_per_epoch = {MIX_E}",
+        "resampled": f'shards = "{pattern(0, last)}"\nmanifest = "{full}"\nresampled = true\n'
+                     f"samples_per_epoch = {RESAMPLED_E}",
+        "tgz": f'shards = "{pattern(0, last, "tgz")}"',
+        "zst": f'shards = "{pattern(0, last, "tar.zst")}"',
+        "other": f'shards = "{root}/other-{{0..2}}.tar"',
+    }
+    body = "[host]\nindex = 0\ncount = 1\n" + "".join(
+        f"[datasets.{name}]\n{text}\n" + ("shuffle_buffer = 15\n" if name != "mix" else "")
+        for name, text in sections.items())
+    want = {k: digest_fields(v) for k, v in reference_samples(tars).items()}
+    web = set(reference_samples(tars[:16]))
+    return {"body": body, "want": want, "web": web}
+
+
+def digest_fields(fields):
+    return tuple(sorted((k, hashlib.md5(bytes(v)).hexdigest()) for k, v in fields.items()
+                        if not k.startswith("__")))
+
+
+def digest(sample):
+    """What a cell compares: key, source (a mix's), and each field's MD5. Runs in the reader's
+    process (a DataLoader worker's collate: a zero-copy memoryview never crosses a queue)."""
+    return (sample["__key__"], sample.get("__source__"), digest_fields(sample))
+
+
+# -- readers: each reads rank `rank`'s epoch, calling `event(n)` after n samples ------------------
+
+
+def client_reader(d, mode, zero_copy, rank, event, resume=False, **kw):
+    out = []
+    with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+        s = c.stream(mode, epoch=EPOCH, rank=rank, world_size=WORLD, seed=SEED, **kw)
+        for x in s:
+            out.append(digest(x))
+            event(len(out))
+            if resume and len(out) == AT:
+                # The trainer is killed; its saved state is the position.
+                position = s.position
+                s.close()
+                s = c.stream(mode, epoch=EPOCH, rank=rank, world_size=WORLD, seed=SEED, start=position, **kw)
+                out.extend(digest(y) for y in s)
+                break
+    return out
+
+
+def torch_reader(d, mode, zero_copy, rank, event, resume=False, stateful=False):
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import shardd.torch as st
+
+    def loader(state=None):
+        ds = st.ShardDataset(mode, socket=str(d.socket), rank=rank, world_size=WORLD, seed=SEED,
+                             epoch=EPOCH, zero_copy=zero_copy, prefetch_next_epoch=False)
+        cls = StatefulDataLoader if stateful else torch.utils.data.DataLoader
+        dl = cls(ds, batch_size=None, num_workers=2, collate_fn=digest)
+        if state is not None:
+            dl.load_state_dict(state)
+        return dl
+
+    out = []
+    dl = loader()
+    it = iter(dl)
+    for x in it:
+        out.append(x)
+        event(len(out))
+        if resume and len(out) == AT:
+            state = dl.state_dict()
+            del it, dl  # the trainer dies; a new one loads its checkpoint
+            out.extend(loader(state))
+            break
+    return out
+
+
+def grain_reader(d, mode, zero_copy, rank, event, resume=False):
+    import shardd.grain as sg
+
+    def make():
+        return iter(sg.ShardDataset(mode, socket=str(d.socket), rank=rank, world_size=WORLD, seed=SEED,
+                                    epoch=EPOCH, zero_copy=zero_copy, num_epochs=1))
+
+    out = []
+    it = make()
+    for x in it:
+        out.append(digest(x))
+        event(len(out))
+        if resume and len(out) == AT:
+            state = it.get_state()
+            it.close()
+            it = make()
+            it.set_state(state)
+            out.extend(digest(y) for y in it)
+            break
+    it.close()
+    return out
+
+
+def read_job(d, mode, delivery, reader, event):
+    zero_copy = delivery == "zero_copy"
+    resume = event == "resume"
+    fire = Trigger(d, event)
+    out = {}
+    for rank in range(WORLD):
+        if reader == "client":
+            out[rank] = client_reader(d, mode, zero_copy, rank, fire, resume)
+        elif reader == "grain":
+            out[rank] = grain_reader(d, mode, zero_copy, rank, fire, resume)
+        else:
+            out[rank] = torch_reader(d, mode, zero_copy, rank, fire, resume, stateful=reader == "stateful")
+    fire.check()
+    return out
+
+
+class Trigger:
+    """The event, fired once, after the AT-th sample of rank 0; `check` says it happened."""
+
+    def __init__(self, d, event):
+        self.d, self.event, self.fired = d, event, False
+        self.slow_left = 0
+
+    def __call__(self, n):
+        if self.slow_left:
+            # A slow, steady reader: takes a sample every 20 ms for a while (not a pause).
+            self.slow_left -= 1
+            time.sleep(0.02)
+        if self.fired or n != AT:
+            return
+        self.fired = True
+        d = self.d
+        if self.event == "pause":
+            # An evaluation pass: the daemon parks every stream it cannot send to (or has
+            # sent all of them), then the reader reads on.
+            wait_for(lambda: all(s["waiting_on"] == "parked" for s in d.status()["streams"]),
+                     "the paused streams to park or finish")
+        elif self.event == "slow":
+            self.slow_left = 60
+        elif self.event == "kill9":
+            d.kill()
+            d.start()
+        elif self.event == "restart":
+            d.stop()
+            d.start()
+        elif self.event == "budget":
+            # Another dataset read during the pause, in a cache of a few shards.
+            with shardd.Client(d.socket) as c:
+                assert len(list(c.stream("other", epoch=0, rank=0, world_size=1))) == 3 * PER_SHARD
+        elif self.event == "deleted":
+            for f in (d.dir / "cache").rglob("*"):
+                if f.is_file():
+                    f.unlink()
+
+    def check(self):
+        # Whatever the event, no stream failed in the daemon: a failure the client's reconnect
+        # hid (a frame a park could not re-encode, say) is a defect all the same.
+        failed = sum(float(line.rsplit(" ", 1)[1]) for line in self.d.metrics().splitlines()
+                     if line.startswith("shardd_streams_total{") and 'outcome="failed"' in line)
+        assert failed == 0, f"{failed:.0f} streams failed in the daemon (see its log: {self.d.log_path})"
+        if self.event in ("none", "elastic", "resume"):
+            return
+        assert self.fired, "the event never fired"
+        if self.event == "slow":
+            assert self.d.metric("shardd_stream_parks_total") == 0, "a slow, steady reader was parked"
+
+
+def start_daemon(make_daemon, data, event, tag):
+    # Two thirds of the dataset: every epoch evicts. (A compressed shard's load holds its
+    # download and its tar at once, and two workers load at once: fewer shards than this can
+    # run out of room on the socket path as well.)
+    cache = f'max_size = "{16 * SHARD_BYTES}"\n' if event == "budget" else ""
+    return make_daemon(data["body"], name=tag, server='stall_timeout = "1s"', cache=cache)
+
+
+# -- the contract ----------------------------------------------------------------------------
+
+
+def check_contract(mode, job, data, streams):
+    """`streams`: per rank (a DataLoader's workers each read one)."""
+    want, ranks = data["want"], list(job.values())
+    for samples in ranks:
+        for key, source, fields in samples:
+            assert want[key] == fields, f"sample {key} differs from webdataset's reading"
+    counts = [len(r) for r in ranks]
+    keys = [k for r in ranks for k, _, _ in r]
+    if mode in ("shards", "tgz", "zst", "manifest"):
+        assert sorted(keys) == sorted(want), "not every sample once per epoch across ranks"
+        if mode == "manifest":
+            assert len(set(counts)) == 1, f"unequal ranks: {counts}"
+    elif mode == "resampled":
+        assert counts == [RESAMPLED_E * streams] * WORLD
+    elif mode == "mix":
+        assert counts == [MIX_E * streams] * WORLD
+        # Each source is its own exact stream: within a pass, no sample twice. Epoch 0 draws
+        # 150 of web's 320 samples per stream, 50 of books' 160: with 2 streams, no pass ends.
+        if streams == 1:
+            assert len(set(keys)) == len(keys), "a mix's sample read twice in one pass"
+        for r in ranks if streams == 1 else []:  # a DataLoader interleaves its workers' streams
+            seen = collections.Counter()
+            for n, (key, source, _) in enumerate(r, 1):
+                assert (key in data["web"]) == (source == "web")
+                seen[source] += 1
+                for name, w in (("web", 3), ("books", 1)):
+                    assert abs(seen[name] - w * n / 4) <= 1, f"prefix bound broken at {n}: {seen}"
+
+
+def elastic_cell(d, mode, delivery, data):
+    """A checkpoint at 2 ranks after AT samples each, finished at 1 rank: every sample not yet
+    read, once (but the drops START reports); modes without sample counts are refused."""
+    zero_copy = delivery == "zero_copy"
+    origin = {"hosts": 1, "world_size": WORLD, "num_workers": 1, "positions": [AT]}
+    refusals = {
+        "shards": "needs the dataset's sample counts",
+        "tgz": "needs the dataset's sample counts",
+        "zst": "needs the dataset's sample counts",
+        "resampled": "a resampled dataset has no remainder to redistribute",
+    }
+    if mode in refusals:
+        with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+            with pytest.raises(shardd.DaemonError) as e:
+                c.stream(mode, epoch=EPOCH, rank=0, world_size=1, seed=SEED, resume_from=origin)
+        assert e.value.code == "bad_topology" and refusals[mode] in str(e.value), str(e.value)
+        return "refused"
+    full = {r: client_reader(d, mode, zero_copy, r, lambda n: None) for r in range(WORLD)}
+    consumed = [k for r in full.values() for k, _, _ in r[:AT]]
+    with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+        s = c.stream(mode, epoch=EPOCH, rank=0, world_size=1, seed=SEED, resume_from=origin)
+        rest = [digest(x) for x in s]
+    got = consumed + [k for k, _, _ in rest]
+    assert len(set(got)) == len(got), "a sample read twice across the resize"
+    every = {k for r in full.values() for k, _, _ in r}
+    assert set(got) <= every
+    assert len(every - set(got)) == s.dropped, "drops other than the reported ones"
+    for key, _, fields in rest:
+        assert data["want"][key] == fields
+    return "ok"
+
+
+# -- the matrix ------------------------------------------------------------------------------
+
+
+BASELINES = {}
+
+
+@pytest.mark.parametrize("mode,delivery,reader,event", CELLS, ids=["-".join(c) for c in CELLS])
+def test_cell(make_daemon, data, mode, delivery, reader, event):
+    cell = (mode, delivery, reader, event)
+    RESULTS[cell] = "FAILED"
+    d = start_daemon(make_daemon, data, event, "cell")
+    if event == "elastic":
+        RESULTS[cell] = elastic_cell(d, mode, delivery, data)
+        return
+    got = read_job(d, mode, delivery, reader, event)
+    check_contract(mode, got, data, streams=2 if reader in ("torch", "stateful") else 1)
+    base = BASELINES.get((mode, delivery, reader))
+    if base is None and event != "none":
+        base = read_job(start_daemon(make_daemon, data, "none", "base"), mode, delivery, reader, "none")
+    if base is not None:
+        assert got == base, "not the samples, or not the order, of the same cell without the event"
+    BASELINES[mode, delivery, reader] = got
+    RESULTS[cell] = "ok"
+
+
+def teardown_module(module):
+    """The matrix as a table: one row per cell run."""
+    if not RESULTS:
+        return
+    lines = [f"conformance matrix: {len(RESULTS)} cells ({'full' if FULL else 'pairwise'})",
+             "| mode | delivery | reader | event | result |", "|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(c)} | {r} |" for c, r in sorted(RESULTS.items())]
+    text = "\n".join(lines)
+    print("\n" + text)
+    out = os.environ.get("SHARDD_MATRIX_TABLE")
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["socket", "zero_copy"])
+def test_zero_copy_in_a_cache_of_a_few_shards_reads_what_the_socket_path_reads(make_daemon, data, zero_copy):
+    """A cache of six shards: a stream reads five samples, pauses while an evaluation reads
+    another dataset, then reads on. Zero copy failed with cache_full on its own pins (maps of
+    shards it had passed stayed pinned until it needed a new one, and maps had no byte bound);
+    now its maps pin at most server.zero_copy_share of the budget (a quarter) and are retired
+    as soon as the stream has no sample left of their shard. (The share is what zero copy may
+    need beyond the socket path: a map the client still holds stays pinned through a pause.)"""
+    budget = 6 * SHARD_BYTES
+    d = make_daemon(data["body"], server='stall_timeout = "1s"', cache=f'max_size = "{budget}"\n')
+    mapped_peak = 0
+
+    def watch_maps(n):
+        nonlocal mapped_peak
+        try:
+            mapped_peak = max(mapped_peak, d.metric("shardd_zero_copy_mapped_bytes"))
+        except KeyError:  # a daemon before the bound
+            pass
+        if n == AT:
+            Trigger(d, "pause")(AT)
+            Trigger(d, "budget")(AT)
+
+    got = []
+    with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+        for x in c.stream("manifest", epoch=0, rank=0, world_size=1, seed=SEED):
+            got.append(digest(x))
+            watch_maps(len(got))
+    assert sorted(k for k, _, _ in got) == sorted(data["want"])
+    for key, _, fields in got:
+        assert data["want"][key] == fields
+    assert mapped_peak <= budget // 4
+    assert d.metric("shardd_cache_full_total") == 0
