@@ -909,6 +909,12 @@ mod tests {
                     .map(|(x, &n)| n - got[i].get(x).copied().unwrap_or(0))
                     .sum();
                 assert_eq!(missing as u64, split.dropped, "case {case} source {i}");
+                // Each source's rest is dealt on its own: fewer than W' drops per source
+                // (so fewer than sources × W' for the mix; PROTOCOL.md).
+                assert!(
+                    split.dropped < (t.hosts * t.ranks) as u64,
+                    "case {case} source {i}"
+                );
             }
         }
     }

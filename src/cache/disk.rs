@@ -196,11 +196,16 @@ impl Disk {
     pub fn temp_file(&self) -> io::Result<(TempFile, File)> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let path = self.tmp.join(format!("{}-{n}.part", self.run));
+        // 0600 whatever the umask: a zero-copy client is given descriptors of committed
+        // files, and one of another user must not be able to reopen them for writing through
+        // /proc/self/fd (truncating a file the daemon maps kills it with SIGBUS).
         let create = || {
+            use std::os::unix::fs::OpenOptionsExt;
             std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create_new(true)
+                .mode(0o600)
                 .open(&path)
         };
         let file = in_dir(&self.tmp, create)?;

@@ -285,6 +285,27 @@ async fn entries_survive_a_restart_and_corruption_is_caught() {
     assert_eq!(f.metrics.cache_verify_failures_total.get(), 1);
 }
 
+/// A committed file (what zero copy passes to clients) is writable by its owner only, even
+/// under a umask that lets the group write: a client of another user in the socket's group
+/// cannot reopen its descriptor for writing through /proc/self/fd.
+#[tokio::test]
+async fn committed_files_are_writable_by_their_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let f = Fixture::new(1, 64_000);
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o002));
+    let cache = f.open(10 << 20, HOUR);
+    cache.get(&f.shard(0)).await.unwrap();
+    rustix::process::umask(old);
+    let entries = f.cache_dir.join("entries");
+    let data = std::fs::read_dir(&entries)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "tar"))
+        .unwrap();
+    let mode = std::fs::metadata(&data).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{}", data.display());
+}
+
 #[tokio::test]
 async fn a_changed_source_is_fetched_again_and_a_cached_copy_survives_truncation() {
     let f = Fixture::new(1, 80_000);
