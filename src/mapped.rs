@@ -271,33 +271,34 @@ impl Maps {
     }
 
     /// Sends the queued MAP and UNMAP frames (each whole, before the batch that needs them).
-    /// Fails with `Stalled` when the client takes nothing for `stall` (nothing is then cut:
-    /// the frame stays queued).
+    /// Fails with `Stalled` when the client takes no byte for `stall` (the batches' own
+    /// progress check: a slow reader that keeps taking bytes is never parked); nothing is
+    /// then cut: the frame stays queued.
     pub async fn flush(&self, sock: &UnixStream, stall: Duration) -> Result<(), SendError> {
         loop {
             let Some((frame, fd)) = self.state.lock().unwrap().control.pop_front() else {
                 return Ok(());
             };
             let mut done = 0usize;
-            let send = async {
-                while done < frame.len() {
-                    let n = sock
-                        .async_io(Interest::WRITABLE, || {
-                            send_with_fd(sock, &frame[done..], fd.as_ref().filter(|_| done == 0))
-                        })
-                        .await?;
-                    done += n;
+            while done < frame.len() {
+                let attach = fd.as_ref().filter(|_| done == 0);
+                match sock.try_io(Interest::WRITABLE, || {
+                    send_with_fd(sock, &frame[done..], attach)
+                }) {
+                    Ok(n) => done += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        match crate::sink::until_stalled(sock, stall, sock.writable()).await {
+                            Ok(ready) => ready?,
+                            Err(stalled) if done == 0 => {
+                                self.state.lock().unwrap().control.push_front((frame, fd));
+                                return Err(stalled);
+                            }
+                            // A small frame cut in two: only a stalled, full socket does that.
+                            Err(_) => return Err(SendError::Resent("a MAP frame was cut".into())),
+                        }
+                    }
+                    Err(e) => return Err(e.into()),
                 }
-                std::io::Result::Ok(())
-            };
-            match tokio::time::timeout(stall, send).await {
-                Ok(r) => r?,
-                Err(_) if done == 0 => {
-                    self.state.lock().unwrap().control.push_front((frame, fd));
-                    return Err(SendError::Stalled(stall));
-                }
-                // A 17-byte frame cut in two: only a stalled, nearly full socket does that.
-                Err(_) => return Err(SendError::Resent("a MAP frame was cut".into())),
             }
         }
     }

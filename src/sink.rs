@@ -235,7 +235,7 @@ impl Pipe {
 /// socket is reported writable only once three quarters of its send buffer are drained
 /// (megabytes with a large buffer), which a slow but steady reader may take longer than
 /// `stall` to do.
-async fn until_stalled<T>(
+pub(crate) async fn until_stalled<T>(
     sock: &UnixStream,
     stall: Duration,
     wait: impl Future<Output = T>,
