@@ -43,6 +43,9 @@ pub struct Metrics {
     pub store_errors_total: IntCounterVec,
     /// Bytes the cache charges against `cache.max_size`: entries plus reservations.
     pub cache_bytes: IntGauge,
+    /// The most `cache_bytes` has been since the daemon started: a budget check that a
+    /// scrape between two peaks cannot miss.
+    pub cache_bytes_max: IntGauge,
     pub cache_capacity_bytes: IntGauge,
     /// Bytes of complete entries on disk.
     pub cache_resident_bytes: IntGauge,
@@ -189,6 +192,7 @@ impl Metrics {
                 .unwrap(),
             ),
             cache_bytes: gauge("cache_bytes", "Bytes charged against cache.max_size: entries, downloads and decompression in progress."),
+            cache_bytes_max: gauge("cache_bytes_max", "The most bytes charged against cache.max_size at once since the daemon started (its high-water mark)."),
             cache_capacity_bytes: gauge("cache_capacity_bytes", "cache.max_size."),
             cache_resident_bytes: gauge("cache_resident_bytes", "Bytes of complete cache entries on disk."),
             cache_pinned_bytes: gauge("cache_pinned_bytes", "Bytes of cache entries open streams are reading (never evicted)."),

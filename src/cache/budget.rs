@@ -59,6 +59,9 @@ impl Drop for Waiting<'_> {
 impl Inner {
     pub(super) fn publish(&self, st: &State) {
         self.metrics.cache_bytes.set(st.charged as i64);
+        if st.charged as i64 > self.metrics.cache_bytes_max.get() {
+            self.metrics.cache_bytes_max.set(st.charged as i64);
+        }
         self.metrics.cache_resident_bytes.set(st.resident as i64);
         self.metrics.cache_pinned_bytes.set(st.pinned as i64);
     }

@@ -243,6 +243,12 @@ async fn the_budget_is_hard_and_pinned_entries_stay() {
     drop(b);
     assert_eq!(waiter.await.unwrap().unwrap(), size as usize);
     assert_eq!(f.metrics.cache_bytes.get() as u64, 2 * (size + META_MAX));
+    // The high-water mark: the budget was full (two entries) and never more.
+    assert_eq!(
+        f.metrics.cache_bytes_max.get() as u64,
+        2 * (size + META_MAX)
+    );
+    assert!(f.metrics.cache_bytes_max.get() as u64 <= cache.max_bytes());
 }
 
 #[tokio::test]
