@@ -3,6 +3,7 @@ as a descriptor, batches carry (map, offset, length), and the client hands out r
 memoryviews of its mapping. Same samples, same order, same bytes as the socket path."""
 
 import json
+import pickle
 import random
 import signal
 import socket
@@ -349,3 +350,100 @@ def test_releases_after_the_daemon_finished_sending_cost_no_reconnect(daemon, re
     assert [s["__key__"] for s in got] == want
     assert_webdataset_samples(got, reference)
     assert stream.reconnects == 0 and not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_failed_mmap_falls_back_even_with_reconnecting_off(daemon, monkeypatch, reference):
+    """The fallback is not a reconnect to a lost daemon: reconnect_timeout=0 does not stop it.
+    The first shard maps, the second does not: the stream goes on over the socket from there."""
+    want, _ = read(daemon.socket, "z", False)
+    real, calls = shardd.client.mmap.mmap, []
+
+    def second_refused(*a, **kw):
+        calls.append(a)
+        if len(calls) > 1:
+            raise OSError(12, "Cannot allocate memory")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(shardd.client.mmap, "mmap", second_refused)
+    with shardd.Client(daemon.socket, zero_copy=True, reconnect_timeout=0) as c:
+        stream = c.stream("z", epoch=0, rank=0, world_size=1)
+        got = list(stream)
+    assert len(calls) == 2 and stream.start_fields["zero_copy"] is True
+    kinds = [type(s["bin"]) for s in got]
+    assert kinds[0] is memoryview and kinds[-1] is bytes, "mapped, then over the socket"
+    assert [(s["__key__"], bytes(s["bin"])) for s in got] == [(s["__key__"], s["bin"]) for s in want]
+    assert_webdataset_samples(got, reference)
+
+
+AT_THE_FD_LIMIT = """
+import logging, os, pickle, resource, sys, shardd
+logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+
+def still_open(fd):
+    try:
+        return os.fstat(fd) is not None
+    except OSError:
+        return False  # the listing's own descriptor, closed since
+
+fds = [int(f) for f in os.listdir("/proc/self/fd")]
+fds = sorted(f for f in fds if still_open(f))
+assert fds == list(range(len(fds))), fds
+# Room for the stream's socket (descriptor len(fds)) and nothing more: the kernel cannot
+# install the MAP frame's descriptor, drops it and sets MSG_CTRUNC.
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(fds) + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+c = shardd.Client(sys.argv[1], zero_copy=True, reconnect_timeout=0)
+s = c.stream("z", epoch=0, rank=0, world_size=1)
+got = [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in x.items()} for x in s]
+c.close()
+pickle.dump((s.start_fields["zero_copy"], got), sys.stdout.buffer)
+"""
+
+
+def test_a_descriptor_dropped_at_the_fd_limit_falls_back_to_the_socket_path(daemon, reference):
+    """A trainer at its RLIMIT_NOFILE: the kernel drops the MAP frame's descriptor (MSG_CTRUNC).
+    The stream reads on over the socket, with a warning naming the limit. In a subprocess, so
+    that this process's limit is untouched."""
+    want, _ = read(daemon.socket, "z", False)
+    proc = subprocess.run([sys.executable, "-c", AT_THE_FD_LIMIT, str(daemon.socket)],
+                          capture_output=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT / "clients" / "python")})
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    zero_copy, got = pickle.loads(proc.stdout)
+    assert zero_copy is True, "START said zero copy: the descriptor was dropped"
+    assert "RLIMIT_NOFILE" in err and "MSG_CTRUNC" in err, err
+    assert [(s["__key__"], s["bin"]) for s in got] == [(s["__key__"], s["bin"]) for s in want]
+    assert_webdataset_samples(got, reference)
+
+
+def test_a_map_frame_without_a_descriptor_is_a_protocol_error(tmp_path):
+    """No descriptor and no MSG_CTRUNC: the daemon broke the protocol (not a fallback)."""
+    path = str(tmp_path / "nofd.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(8, socket.MSG_WAITALL)
+            length, _ = struct.unpack("<IB", conn.recv(5, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)
+            start = json.dumps({"dataset": "z", "shards": 1, "host": 0, "hosts": 1, "samples": None,
+                                "position": 0, "dropped": 0, "fingerprint": "00ff",
+                                "zero_copy": True}).encode()
+            conn.sendall(b"SHARDD\x05\x00" + struct.pack("<IB", len(start), 2) + start
+                         + struct.pack("<IBIQ", 12, 6, 1, 4096))  # a MAP, no SCM_RIGHTS
+            conn.recv(1)  # until the client hangs up
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with shardd.Client(path, zero_copy=True, reconnect_timeout=30) as c:
+            stream = c.stream("z", epoch=0, rank=0, world_size=1)
+            with pytest.raises(shardd.ProtocolError, match="without its descriptor"):
+                next(stream)
+        t.join(30)
+        assert not t.is_alive()
+    finally:
+        server.close()

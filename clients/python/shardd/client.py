@@ -29,6 +29,7 @@ import mmap
 import logging
 import os
 import random
+import resource
 import socket
 import struct
 import threading
@@ -178,6 +179,12 @@ class PlanChangedError(PlanMismatch):
         self.old, self.new = old, new
 
 
+class _ZeroCopyUnusable(Exception):
+    """Zero copy cannot work in this process (a descriptor it cannot map, or one the kernel
+    dropped): the stream reopens at its position over the socket. Not a lost daemon, so this is
+    done whatever ``reconnect_timeout`` says."""
+
+
 class ForkedStreamError(Error, RuntimeError):
     """A stream opened in one process was read in another after ``fork``: the two processes
     would share one socket and each get part of the bytes. Open streams after the fork, in the
@@ -235,7 +242,9 @@ class Client:
     files as read-only descriptors, and fields over 4 KiB are then read-only ``memoryview``s of
     their mappings instead of ``bytes`` (``bytes(view)`` where a copy is needed); smaller ones
     stay ``bytes``. A daemon that does not offer it (older, or ``server.zero_copy_maps = 0``)
-    serves the socket path (PROTOCOL.md, "Zero copy")."""
+    serves the socket path (PROTOCOL.md, "Zero copy"); a stream that cannot map a file, or
+    whose process is at its open-file limit (RLIMIT_NOFILE) when a descriptor comes, reads on
+    over the socket from where it was, with a warning, whatever ``reconnect_timeout``."""
 
     def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
                  readahead=READAHEAD, prefetch_next_epoch=False, eager_readahead=False,
@@ -960,15 +969,25 @@ class Stream:
 
     def _recover(self, e):
         """After a failed read mid-stream: reconnects at ``_base`` or raises a shardd.Error."""
-        retry, cause, error = self._classify(e)
-        self._drop_connection()
-        if not retry or self._reconnect_timeout <= 0:
-            if error is e:
-                raise e
-            raise error from e
-        log.warning("lost the shardd daemon at %s (%s) at sample %d of %s; reconnecting for up "
-                    "to %g s (reconnect_timeout)", self._path, cause, self._base,
-                    self._describe(), self._reconnect_timeout)
+        if isinstance(e, _ZeroCopyUnusable):
+            # The daemon is fine: the socket path from a new connection at this position, even
+            # with reconnect_timeout=0 (which is about waiting for a daemon that went away).
+            log.warning("zero copy from the shardd daemon at %s cannot work here (%s): reading "
+                        "%s over the socket from sample %d", self._path, e, self._describe(),
+                        self._base)
+            self._drop_connection()  # first: it forgets the maps of a zero-copy connection
+            del self._request["zero_copy"]
+            cause = "zero copy unavailable"
+        else:
+            retry, cause, error = self._classify(e)
+            self._drop_connection()
+            if not retry or self._reconnect_timeout <= 0:
+                if error is e:
+                    raise e
+                raise error from e
+            log.warning("lost the shardd daemon at %s (%s) at sample %d of %s; reconnecting for "
+                        "up to %g s (reconnect_timeout)", self._path, cause, self._base,
+                        self._describe(), self._reconnect_timeout)
         self._request["start"] = self._base
         self._connect(lost=cause)
         self.reconnects += 1
@@ -1164,7 +1183,9 @@ class Stream:
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
                 self._fds.extend(fds)
         if flags & socket.MSG_CTRUNC:
-            raise ProtocolError(f"descriptors from the daemon at {self._path} were cut off")
+            # The kernel dropped the descriptor (this process is at its open-file limit): the
+            # MAP frame it came with finds None and the stream falls back to the socket path.
+            self._fds.append(None)
         return n
 
     def _send_releases(self):
@@ -1190,7 +1211,9 @@ class Stream:
         self._maps.clear()
         self._released.clear()
         while self._fds:
-            os.close(self._fds.popleft())
+            fd = self._fds.popleft()
+            if fd is not None:
+                os.close(fd)
 
     def _zero_copy_frame(self, kind, length):
         """A MAP, UNMAP or MAPPED_BATCH frame; returns the samples of a batch."""
@@ -1205,19 +1228,20 @@ class Stream:
             return None
         map_id, size = struct.unpack("<IQ", body)
         if not self._fds:
+            # Neither a descriptor nor MSG_CTRUNC: the daemon did not send one.
             raise ProtocolError(f"a MAP frame from the daemon at {self._path} came without "
                                 f"its descriptor")
         fd = self._fds.popleft()
+        if fd is None:
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            raise _ZeroCopyUnusable(
+                f"the kernel dropped a shard file's descriptor (MSG_CTRUNC): this process is at "
+                f"its open-file limit, RLIMIT_NOFILE = {limit} (ulimit -n)")
         try:
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         except OSError as e:
-            # No mapping (address space, a limit): the rest of the stream over the socket,
-            # from a new connection at this position (as a reconnect).
-            log.warning("mapping a shard file from the shardd daemon at %s failed (%s): "
-                        "reading %s over the socket", self._path, e, self._describe())
-            self._forget_maps()
-            del self._request["zero_copy"]
-            raise ConnectionLostError(f"zero copy unavailable (mmap failed: {e})") from e
+            # No mapping (address space, a limit): the socket path (``_recover``).
+            raise _ZeroCopyUnusable(f"mapping a shard file failed: {e}") from e
         finally:
             os.close(fd)
         weakref.finalize(mm, self._released.append, (self._generation, map_id))
