@@ -323,3 +323,20 @@ def test_shardd_torch_takes_the_next_epoch_opened_ahead(make_daemon, fake_gcs):
         wait_for(lambda: d.metric("shardd_streams_active") == 1, f"epoch {e + 1} opened ahead")
     assert got == want
     assert streams(d) == 2 + 3  # the two reference reads; epochs 0, 1 and 2 (ahead)
+
+
+def test_zero_copy_read_ahead_counts_the_bytes_it_maps(make_daemon, fake_gcs):
+    """A zero-copy batch is a few bytes per field on the socket but hands out whole mapped
+    fields (and keeps their shards pinned): read-ahead bounded by frame bytes took in the
+    rest of the stream at once. It counts mapped bytes, so it stops at the bound as the
+    socket path does: never more than the bound plus the batch that crossed it."""
+    d = make_daemon(gcs_config(fake_gcs))
+    with Client(d.socket, readahead=3 * BIG_SAMPLE, eager_readahead=True, zero_copy=True) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        first = next(s)
+        assert isinstance(first["bin"], memoryview)
+        wait_for(lambda: s.readahead_bytes[0] >= 3 * BIG_SAMPLE, "the queue to fill")
+        rest = list(s)
+        peak = s.readahead_bytes[1]
+    assert 3 * BIG_SAMPLE <= peak < 4 * BIG_SAMPLE + (1 << 20)
+    assert len([first] + rest) == BIG_SHARDS

@@ -1258,6 +1258,7 @@ class Stream:
         maps = self._maps
         out = []
         i = 0
+        mapped = 0
         for _ in range(n):
             head = words[i]
             klen = words[i + 1]
@@ -1267,6 +1268,7 @@ class Stream:
             for _ in range(head >> 16):
                 name, ln = words[i], words[i + 1]
                 if name >> 31:
+                    mapped += ln
                     off = words[i + 3] | (words[i + 4] << 32)
                     try:
                         sample[names[name & 0x7FFFFFFF]] = maps[words[i + 2]][off : off + ln]
@@ -1278,6 +1280,9 @@ class Stream:
                     p += ln
                 i += 5
             out.append(sample)
+        # Read-ahead counts what a batch hands out, mapped bytes too: counting its frame (a few
+        # bytes per field) let the thread take in, and keep pinned, gigabytes of shards.
+        self._batch_bytes = length + mapped
         return _text_source(out, names)
 
 
