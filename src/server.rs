@@ -522,6 +522,13 @@ async fn plan_off_runtime(
     resume_from: Option<crate::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, plan::PlanError> {
+    // An elastic resume costs up to elastic::MAX_STREAMS of work: two are planned at a time,
+    // so that many at once (a job's every stream resuming, or a hostile client) cannot add up.
+    static ELASTIC_PLANS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+    let _elastic = match resume_from {
+        Some(_) => Some(ELASTIC_PLANS.acquire().await.expect("never closed")),
+        None => None,
+    };
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
     let work = move || {

@@ -294,11 +294,11 @@ def test_absurd_elastic_origins_are_refused_at_once_and_the_daemon_serves_on(mak
                                                                            manifest):
     """An elastic resume's split deals every old and new stream: a `resume_from` of four billion
     ranks aborted the daemon, and forty million took 14 s and 7.5 GB. Past the bound
-    (elastic::MAX_STREAMS, 2^20 streams over the chain) it is refused, naming the bound, and
+    (elastic::MAX_STREAMS, 2^18 streams over the chain) it is refused, naming the bound, and
     the daemon keeps serving; 16 such requests at once cost it no memory to speak of."""
     d = make_daemon(exact_config(fake_gcs, manifest))
     good = GoodStream(d, train_paths)
-    bound = 1 << 20
+    bound = 1 << 18
 
     def origin(world_size, num_workers=1, **more):
         return {"hosts": 1, "world_size": world_size, "num_workers": num_workers,
@@ -311,7 +311,7 @@ def test_absurd_elastic_origins_are_refused_at_once_and_the_daemon_serves_on(mak
         (origin(4_000_000_000), f"4000000001 streams (world_size × num_workers, summed over the new "
                                 f"topology and each origin) is more than an elastic resume deals ({bound})"),
         (origin(40_000_000), "40000001 streams"),
-        (origin(1 << 16, num_workers=1 << 4), f"{(1 << 20) + 1} streams"),
+        (origin(1 << 14, num_workers=1 << 4), f"{(1 << 18) + 1} streams"),
         (chain, "an origin chain of more than 16 resumes"),
     ]
     failures = []
