@@ -91,7 +91,8 @@ pub struct HostSection {
     pub count: HostValue,
 }
 
-/// `index = 3`, or `index = "auto"`: found at start (see `host.rs`).
+/// `index = 3`, or `index = "auto"`: found at start, or (index only) `"from-clients"`:
+/// learned from the first stream (see `host.rs`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum HostValue {
@@ -123,7 +124,7 @@ impl Default for CacheSection {
     fn default() -> Self {
         Self {
             dir: "/var/cache/shardd".into(),
-            max_size: "100GiB".into(),
+            max_size: "auto".into(),
             prefetch_shards: 4,
             revalidate: "10m".into(),
             space_timeout: "30s".into(),
@@ -244,14 +245,23 @@ pub struct Config {
     pub stall_timeout: Duration,
     /// Shard files one zero-copy connection may hold mapped (protocol 5; 0: zero copy off).
     pub zero_copy_maps: usize,
-    /// Bytes the maps of all zero-copy connections may pin together.
+    /// Bytes the maps of all zero-copy connections may pin together...
     pub zero_copy_bytes: u64,
+    /// ...`server.zero_copy_share` of `cache_max_bytes`.
+    pub zero_copy_share: f64,
     /// This host among the job's hosts; where `host_auto` says so, a placeholder until
     /// [`crate::host::resolve`] has found it.
     pub host: Topology,
     pub host_auto: HostAuto,
+    /// `host.index = "from-clients"`: the host learned from the streams (shared by every
+    /// copy of this config).
+    pub host_learned: std::sync::Arc<crate::host::Learned>,
     pub cache_dir: PathBuf,
+    /// `cache.max_size`: a size, or (`"auto"`, `"N%"`) a share of the cache file system's
+    /// free space found when the config is read (`host::cache_budget`).
     pub cache_max_bytes: u64,
+    /// The share of the free space when `cache.max_size` is `"auto"` or `"N%"`.
+    pub cache_max_share: Option<f64>,
     pub prefetch_shards: usize,
     pub revalidate: Duration,
     pub space_timeout: Duration,
@@ -336,11 +346,13 @@ pub enum Verify {
     Checksum,
 }
 
-/// Which of `host.index` and `host.count` are `"auto"`.
+/// Which of `host.index` and `host.count` are `"auto"`, and whether the index is
+/// `"from-clients"`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostAuto {
     pub index: bool,
     pub count: bool,
+    pub from_clients: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -453,10 +465,18 @@ impl FileConfig {
         let auto = |value: &HostValue, key: &str| match value {
             HostValue::Number(n) => Ok(Some(*n)),
             HostValue::Word(w) if w == "auto" => Ok(None),
+            HostValue::Word(w) if w == crate::host::FROM_CLIENTS && key == "host.index" => {
+                Ok(Some(0))
+            }
+            HostValue::Word(w) if key == "host.index" => Err(invalid(format!(
+                "{key} {w:?} is neither a number, \"auto\" nor \"from-clients\""
+            ))),
             HostValue::Word(w) => Err(invalid(format!(
                 "{key} {w:?} is neither a number nor \"auto\""
             ))),
         };
+        let from_clients =
+            matches!(&self.host.index, HostValue::Word(w) if w == crate::host::FROM_CLIENTS);
         let (index, count) = (
             auto(&self.host.index, "host.index")?,
             auto(&self.host.count, "host.count")?,
@@ -464,6 +484,7 @@ impl FileConfig {
         let host_auto = HostAuto {
             index: index.is_none(),
             count: count.is_none(),
+            from_clients,
         };
         let host = Topology {
             index: index.unwrap_or(0),
@@ -473,7 +494,8 @@ impl FileConfig {
             host.check().map_err(invalid)?;
         }
 
-        let cache_max_bytes = parse_size(&self.cache.max_size, "cache.max_size")?;
+        let (cache_max_bytes, cache_max_share) =
+            crate::host::cache_budget(&self.cache.max_size, &self.cache.dir)?;
         if !(0.0..=1.0).contains(&s.zero_copy_share) {
             return Err(invalid(format!(
                 "server.zero_copy_share {} is not a share of cache.max_size between 0 and 1",
@@ -555,10 +577,13 @@ impl FileConfig {
             stall_timeout,
             zero_copy_maps: s.zero_copy_maps,
             zero_copy_bytes,
+            zero_copy_share: s.zero_copy_share,
             host,
             host_auto,
+            host_learned: Default::default(),
             cache_dir: self.cache.dir,
             cache_max_bytes,
+            cache_max_share,
             prefetch_shards: self.cache.prefetch_shards,
             revalidate,
             space_timeout,
@@ -857,6 +882,103 @@ pub fn parse_timeout(text: &str, key: &str) -> Result<Duration, ConfigError> {
     Ok(d)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Config files merged into one (`shardd merge-config`: a TPU VM's defaults and the config in
+// its metadata).
+
+/// A config file's text as a TOML table, not yet validated; errors name `path`.
+pub fn parse_table(text: &str, path: &Path) -> Result<toml::Table, ConfigError> {
+    toml::from_str(text).map_err(|e| ConfigError::Parse {
+        path: path.into(),
+        message: e.to_string(),
+    })
+}
+
+/// Merges `overlay` into `base` table by table, at every depth: where both hold a table under
+/// the same key, the two are merged the same way; any other value of `overlay` (a string, a
+/// number, an array, an array of tables, or a table where `base` has something else) replaces
+/// `base`'s. Keys only in `base` stay. So `[cache] max_size` over defaults that hold
+/// `[cache] dir` gives a `[cache]` with both, the overlay's `max_size` winning.
+pub fn merge_tables(base: &mut toml::Table, overlay: toml::Table) {
+    for (key, value) in overlay {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_tables(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod merge_tests {
+    use super::*;
+
+    fn merged(base: &str, overlay: &str) -> toml::Table {
+        let mut b = parse_table(base, Path::new("base.toml")).unwrap();
+        merge_tables(
+            &mut b,
+            parse_table(overlay, Path::new("overlay.toml")).unwrap(),
+        );
+        b
+    }
+
+    #[test]
+    fn tables_merge_key_by_key_and_the_overlay_wins() {
+        let m = merged(
+            "[server]\nsocket = \"/run/shardd/shardd.sock\"\nmetrics_addr = \"127.0.0.1:9464\"\n\
+             [cache]\ndir = \"/var/cache/shardd\"\n[host]\nindex = \"auto\"\ncount = \"auto\"\n",
+            "[cache]\nmax_size = \"1GiB\"\n[server]\nmetrics_addr = \"0.0.0.0:9464\"\n\
+             [datasets.train]\nshards = [\"/d/a.tar\", \"/d/b.tar\"]\n",
+        );
+        let expect: toml::Table = toml::from_str(
+            "[server]\nsocket = \"/run/shardd/shardd.sock\"\nmetrics_addr = \"0.0.0.0:9464\"\n\
+             [cache]\ndir = \"/var/cache/shardd\"\nmax_size = \"1GiB\"\n\
+             [host]\nindex = \"auto\"\ncount = \"auto\"\n\
+             [datasets.train]\nshards = [\"/d/a.tar\", \"/d/b.tar\"]\n",
+        )
+        .unwrap();
+        assert_eq!(m, expect);
+        // What it writes parses back to the same table, and is a valid config.
+        let text = toml::to_string(&m).unwrap();
+        assert_eq!(toml::from_str::<toml::Table>(&text).unwrap(), expect);
+        let c = Config::parse(&text, Path::new("/etc/shardd")).unwrap();
+        assert_eq!(c.cache_dir, PathBuf::from("/var/cache/shardd"));
+        assert_eq!(c.metrics_addr, Some("0.0.0.0:9464".parse().unwrap()));
+    }
+
+    #[test]
+    fn nested_tables_merge_and_other_values_replace() {
+        let m = merged(
+            "[datasets.train]\nshards = \"/a/{0..3}.tar\"\nshuffle_buffer = 5\n\
+             [datasets.web]\nshards = [\"/w/0.tar\", \"/w/1.tar\"]\n\
+             [datasets.mix]\nmix = { train = 1, web = 1 }\nsamples_per_epoch = 10\n",
+            // An array replaces an array (not appended), a string an array, an inline table
+            // merges into a table; an array of tables replaces whatever was there.
+            "[datasets.train]\nshuffle_buffer = 7\n[datasets.web]\nshards = \"/w/{0..9}.tar\"\n\
+             [datasets.mix]\nmix = { web = 3 }\nschedule = [{ epoch = 2, mix = { web = 1 } }]\n",
+        );
+        let d = m["datasets"].as_table().unwrap();
+        assert_eq!(d["train"]["shards"].as_str(), Some("/a/{0..3}.tar"));
+        assert_eq!(d["train"]["shuffle_buffer"].as_integer(), Some(7));
+        assert_eq!(d["web"]["shards"].as_str(), Some("/w/{0..9}.tar"));
+        assert_eq!(d["mix"]["mix"]["train"].as_integer(), Some(1));
+        assert_eq!(d["mix"]["mix"]["web"].as_integer(), Some(3));
+        assert_eq!(d["mix"]["schedule"].as_array().unwrap().len(), 1);
+        // A duplicate key inside one file is still that file's error, naming it.
+        let e = parse_table(
+            "[cache]\ndir = \"/a\"\n[cache]\nmax_size = \"1GiB\"\n",
+            Path::new("m.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("invalid config m.toml: ") && e.contains("duplicate key"),
+            "{e}"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -871,7 +993,9 @@ mod tests {
         let c = Config::parse(MINIMAL, Path::new("/etc/shardd")).unwrap();
         assert_eq!(c.socket, PathBuf::from("/run/shardd/shardd.sock"));
         assert_eq!(c.socket_mode, 0o660);
-        assert_eq!(c.cache_max_bytes, 100 << 30);
+        // "auto": 80% of the free space of the cache's file system (or its nearest parent).
+        assert_eq!(c.cache_max_share, Some(0.8));
+        assert!(c.cache_max_bytes > 0);
         assert_eq!(c.host, Topology { index: 0, count: 1 });
         let d = &c.datasets["train"];
         assert_eq!(d.shuffle_buffer, 10_000);
@@ -883,12 +1007,16 @@ mod tests {
     #[test]
     fn example_config_shows_the_defaults() {
         let text = include_str!("../config.example.toml");
-        let example = Config::parse(text, Path::new("/etc/shardd")).unwrap();
+        let mut example = Config::parse(text, Path::new("/etc/shardd")).unwrap();
         let defaults = Config::parse(
             "[datasets.train]\nshards = \"gs://bucket/imagenet/train-{000000..000639}.tar\"",
             Path::new("/etc/shardd"),
         )
         .unwrap();
+        // max_size = "auto" is a share of the free space, which may change between two reads.
+        assert_eq!(example.cache_max_share, defaults.cache_max_share);
+        example.cache_max_bytes = defaults.cache_max_bytes;
+        example.zero_copy_bytes = defaults.zero_copy_bytes;
         assert_eq!(format!("{example:?}"), format!("{defaults:?}"));
         // The commented-out sections parse too, with the values they show.
         let uncommented: String = text

@@ -47,8 +47,8 @@ enum Command {
     Check {
         #[arg(long)]
         config: PathBuf,
-        /// Only validate the config; do not ask the stores.
-        #[arg(long)]
+        /// Only validate the config (offline: no store, no metadata server is asked).
+        #[arg(long, visible_alias = "offline")]
         no_store: bool,
     },
     /// Read every shard of the patterns and write a manifest (sizes, ETags, checksums,
@@ -116,10 +116,25 @@ enum Command {
         url: String,
     },
     /// Write the systemd units built into this binary (shardd.service, shardd.socket), with
-    /// ExecStart running this binary.
+    /// ExecStart running this binary; with --config, the drop-ins that config needs (a
+    /// cache.dir outside /var/cache/shardd, the socket's path, mode or group).
     InstallUnits {
         #[arg(long, default_value = units::DEFAULT_DIR)]
         dir: PathBuf,
+        /// The config the units will run with (read offline).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Merge config files into one, table by table: each OVERLAY's keys over BASE's (a table
+    /// in both is merged key by key, any other value replaced). The result is validated
+    /// (offline) before it is written.
+    MergeConfig {
+        base: PathBuf,
+        #[arg(required = true)]
+        overlays: Vec<PathBuf>,
+        /// Where to write it (atomically, mode 0644); stdout when not given.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
     },
 }
 
@@ -161,6 +176,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve { config } => {
             let config = Config::load(&config)?;
+            tracing::info!("{}", shardd::host::budget_line(&config));
+            for w in shardd::host::space_warnings(&config) {
+                tracing::warn!("{w}");
+            }
             runtime.block_on(serve(config))
         }
         Command::Check { config, no_store } => runtime.block_on(check(&config, !no_store)),
@@ -196,7 +215,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo => runtime.block_on(shardd::demo::run()),
         Command::Status { url } => runtime.block_on(status(&url)),
         Command::Plan { config, args } => runtime.block_on(plan_report::run(&config, args)),
-        Command::InstallUnits { dir } => units::install(&dir),
+        Command::InstallUnits { dir, config } => units::install(&dir, config.as_deref()),
+        Command::MergeConfig {
+            base,
+            overlays,
+            output,
+        } => units::merge_config(&base, &overlays, output.as_deref()),
     }
 }
 
@@ -231,6 +255,9 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
     let config = Config::load(path)?;
     let stores = shardd::store::Stores::from_config(&config, Default::default())?;
     println!("{}: ok", path.display());
+    for w in shardd::host::space_warnings(&config) {
+        println!("warning: {w}");
+    }
     if reach_stores {
         stores.check_credentials().await?;
     }
@@ -245,6 +272,13 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
         );
         if reach_stores {
             missing_in_all += check_shards(&stores, name, &d.shards, config.max_downloads).await;
+            match plan_report::check_working_set(&config, &stores, d).await {
+                Ok((lines, warnings)) => {
+                    lines.iter().for_each(|l| println!("{l}"));
+                    warnings.iter().for_each(|w| println!("warning: {w}"));
+                }
+                Err(e) => println!("warning: {e:#}"),
+            }
         }
     }
     if missing_in_all > 0 {

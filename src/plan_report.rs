@@ -96,6 +96,13 @@ pub struct HostReport {
     pub bytes: Option<u64>,
     /// Samples of its share this epoch leaves out so that its streams are equal.
     pub dropped: u64,
+    /// Bytes of every shard the host may read in any epoch (its share, `warm` loads it): a
+    /// cache that holds them serves every epoch after the first from disk. None without a
+    /// manifest.
+    pub share_bytes: Option<u64>,
+    /// What its ranks × workers streams hold at once: `working_set.min_budget` is the least
+    /// cache.max_size that serves them. None without a manifest.
+    pub working_set: Option<shardd::host::WorkingSet>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -151,6 +158,23 @@ pub struct Report {
     /// With `--from`: what the elastic resume reads.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resize: Option<Resize>,
+    /// What the working sets assume, and the config's cache budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sizing: Option<Sizing>,
+}
+
+/// The inputs of the per-host working sets ([`size`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Sizing {
+    pub streams_per_host: u64,
+    pub shuffle_buffer: u64,
+    pub zero_copy_maps: u64,
+    pub zero_copy_share: f64,
+    /// cache.max_size in bytes, when the config gives a size (not a share of the free space,
+    /// which is each host's own).
+    pub cache_max_bytes: Option<u64>,
+    /// cache.max_size's share of the free space (`"auto"`, `"N%"`).
+    pub cache_max_share: Option<f64>,
 }
 
 /// What one new host reads of the rest of an epoch resumed elastically.
@@ -234,8 +258,20 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
         }
     };
     let json = args.json;
+    let sizing = Sizing {
+        streams_per_host: args.ranks as u64 * args.workers as u64,
+        shuffle_buffer: dataset.shuffle_buffer as u64,
+        zero_copy_maps: config.zero_copy_maps as u64,
+        zero_copy_share: shardd::host::zero_copy_share(&config),
+        cache_max_bytes: config
+            .cache_max_share
+            .is_none()
+            .then_some(config.cache_max_bytes),
+        cache_max_share: config.cache_max_share,
+    };
     let report = tokio::task::spawn_blocking(move || {
         let mut r = report(&name, dataset.shape(), sizes.as_deref(), &args, threads())?;
+        size(&mut r, dataset.shape(), sizes.as_deref(), sizing);
         if let Some(from) = args.from {
             let window = dataset.shuffle_buffer;
             r.resize = Some(resize(
@@ -254,7 +290,128 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
     } else {
         print!("{}", text(&report));
     }
+    for w in budget_warnings(&report) {
+        eprintln!("warning: {w}");
+    }
     Ok(())
+}
+
+/// Each host's share (for cached epochs) and the working set of its streams, from the
+/// manifest's sizes and counts (nothing without them).
+pub fn size(r: &mut Report, shape: Shape, sizes: Option<&[u64]>, sizing: Sizing) {
+    if let (Some(sizes), Some(counts)) = (sizes, shape.counts) {
+        let per_host = on_threads(r.per_host.len(), threads(), |h| {
+            let topo = Topology {
+                index: h as u32,
+                count: r.hosts,
+            };
+            let share = plan::warm_shards(shape, topo);
+            let bytes: u64 = share.iter().map(|&i| sizes[i]).sum();
+            let samples: u64 = share.iter().map(|&i| counts[i]).sum();
+            let ws = shardd::host::working_set(
+                sizing.streams_per_host,
+                sizing.shuffle_buffer,
+                share.len() as u64,
+                samples,
+                bytes,
+                sizing.zero_copy_maps,
+                sizing.zero_copy_share,
+            );
+            (bytes, ws)
+        });
+        for (host, (bytes, ws)) in r.per_host.iter_mut().zip(per_host) {
+            host.share_bytes = Some(bytes);
+            host.working_set = Some(ws);
+        }
+    }
+    r.sizing = Some(sizing);
+}
+
+/// A budget (a size in the config) below a host's working set, or that holds no host's share.
+pub fn budget_warnings(r: &Report) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(max) = r.sizing.as_ref().and_then(|s| s.cache_max_bytes) else {
+        return out;
+    };
+    let short: Vec<&HostReport> = r
+        .per_host
+        .iter()
+        .filter(|h| h.working_set.is_some_and(|w| max < w.min_budget))
+        .collect();
+    let need = |h: &HostReport| h.working_set.map_or(0, |w| w.min_budget);
+    // The first host that needs the most.
+    let worst = short
+        .iter()
+        .fold(None, |best: Option<&&HostReport>, h| match best {
+            Some(b) if need(b) >= need(h) => Some(b),
+            _ => Some(h),
+        });
+    if let Some(worst) = worst {
+        let w = worst.working_set.expect("filtered");
+        out.push(format!(
+            "cache.max_size ({max} bytes) is below the working set of {} of {} hosts (host {} needs {} bytes: {} streams × {} shards of {} bytes, with zero copy's maps): streams wait for space and fail with cache_full",
+            short.len(),
+            r.per_host.len(),
+            worst.host,
+            w.min_budget,
+            w.streams,
+            w.stream_shards,
+            w.shard_bytes
+        ));
+    }
+    out
+}
+
+/// `shardd check`: one stream's working set of dataset `d` (from its manifest) and how many
+/// streams' cache.max_size holds at once: lines to print, and a warning when not even one.
+pub async fn check_working_set(
+    config: &Config,
+    stores: &Stores,
+    d: &shardd::config::Dataset,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let name = &d.name;
+    // Without a manifest there are no samples per shard to size a shuffle window in shards.
+    let Some(source) = &d.manifest else {
+        return Ok((vec![], vec![]));
+    };
+    let (manifest, at) = shardd::manifest::load(stores, source, &d.shards)
+        .await
+        .with_context(|| format!("dataset {name}: reading the manifest {source}"))?;
+    let bytes: u64 = at.iter().map(|&i| manifest.shards[i].version.size).sum();
+    let samples: u64 = at.iter().map(|&i| manifest.shards[i].samples).sum();
+    let (maps, share) = (
+        config.zero_copy_maps as u64,
+        shardd::host::zero_copy_share(config),
+    );
+    let one = shardd::host::working_set(
+        1,
+        d.shuffle_buffer as u64,
+        d.shards.len() as u64,
+        samples,
+        bytes,
+        maps,
+        share,
+    );
+    let max = config.cache_max_bytes;
+    let fits = shardd::host::streams_that_fit(max, &one, maps, share);
+    let line = format!(
+        "dataset {name}: a stream holds {} shards ({} of its shuffle window of {} samples, + 2) of {} bytes on average: {} bytes, {} with zero copy's maps; cache.max_size ({max} bytes) holds {fits} streams at once (shardd plan sizes a whole job)",
+        one.stream_shards,
+        one.window_shards,
+        d.shuffle_buffer,
+        one.shard_bytes,
+        one.bytes,
+        one.min_budget
+    );
+    let warnings = if fits == 0 {
+        vec![format!(
+            "cache.max_size ({max} bytes) is below the working set of one stream of dataset {name} ({} bytes, with zero copy's maps): streams wait for space and fail with cache_full",
+            one.min_budget
+        )]
+    } else {
+        vec![]
+    };
+    Ok((vec![line], warnings))
 }
 
 fn threads() -> usize {
@@ -350,6 +507,7 @@ pub fn report(
         per_host: reports,
         summary,
         resize: None,
+        sizing: None,
     })
 }
 
@@ -518,6 +676,8 @@ fn one_host(shape: Shape, sizes: Option<&[u64]>, args: &Args, world: u32, host: 
             shards: shards.len() as u64,
             bytes,
             dropped,
+            share_bytes: None,
+            working_set: None,
         },
         per_stream,
     ))
@@ -545,20 +705,34 @@ pub fn text(r: &Report) -> String {
     if let Some(n) = r.samples_per_stream {
         let _ = writeln!(out, "every stream: {n} samples");
     }
+    if let Some(z) = &r.sizing {
+        let budget = match (z.cache_max_bytes, z.cache_max_share) {
+            (Some(b), _) => format!("{b} bytes"),
+            (None, Some(share)) => format!("{}% of each host's free space", share * 100.0),
+            (None, None) => "-".into(),
+        };
+        let _ = writeln!(
+            out,
+            "cache per host: MIN BUDGET = {} streams × (⌈shuffle_buffer {} / samples per shard⌉ + 2) shards × the mean shard size, plus zero copy's maps ({} shards a stream, at most {} of the budget); SHARE = every shard the host reads in any epoch (cached epochs); cache.max_size: {budget}",
+            z.streams_per_host, z.shuffle_buffer, z.zero_copy_maps, z.zero_copy_share
+        );
+    }
     let _ = writeln!(
         out,
-        "{:>6} {:>14} {:>10} {:>18} {:>8}",
-        "HOST", "SAMPLES", "SHARDS", "BYTES", "DROPPED"
+        "{:>6} {:>14} {:>10} {:>18} {:>8} {:>18} {:>18}",
+        "HOST", "SAMPLES", "SHARDS", "BYTES", "DROPPED", "MIN BUDGET", "SHARE"
     );
     for h in &r.per_host {
         let _ = writeln!(
             out,
-            "{:>6} {:>14} {:>10} {:>18} {:>8}",
+            "{:>6} {:>14} {:>10} {:>18} {:>8} {:>18} {:>18}",
             h.host,
             opt(h.samples),
             h.shards,
             opt(h.bytes),
-            h.dropped
+            h.dropped,
+            opt(h.working_set.map(|w| w.min_budget)),
+            opt(h.share_bytes)
         );
     }
     let s = &r.summary;

@@ -198,6 +198,9 @@ async fn serve(
             ));
         }
     };
+    // host.index = "from-clients": the daemon of the host this request's rank is on.
+    let bound = crate::host::bind(daemon, &req, peer).map_err(|r| refuse(r.code, r.message))?;
+    let daemon = &bound.daemon;
     let mut planned = plan_request(daemon, &req).await?;
     // Zero copy (protocol 5) is on unless the config turns it off.
     let zero_copy = req.zero_copy && req.op == "stream" && daemon.config.zero_copy_maps > 0;

@@ -156,10 +156,11 @@ impl Board {
 
     pub fn status(&self, uptime: Duration) -> Status {
         let streams = self.streams.lock().unwrap();
+        let host = crate::host::current(&self.config);
         Status {
             version: env!("CARGO_PKG_VERSION").into(),
-            host_index: self.config.host.index,
-            host_count: self.config.host.count,
+            host_index: host.index,
+            host_count: host.count,
             uptime_seconds: uptime.as_secs_f64(),
             datasets: self
                 .config
