@@ -1049,6 +1049,9 @@ mod tests {
         let at = MAX_STREAMS as u32 - 1;
         let p = plan(shape, host, &req, &origin(1, at)).unwrap();
         let per_stream = 1_200_000 / at as u64;
-        assert_eq!((p.remainder, p.samples), (per_stream * at as u64, per_stream * at as u64));
+        assert_eq!(
+            (p.remainder, p.samples),
+            (per_stream * at as u64, per_stream * at as u64)
+        );
     }
 }
