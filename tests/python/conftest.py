@@ -527,3 +527,12 @@ def serve_train_and_tiny(root):
         "shuffle_buffer = 50\n"
     )
     return Daemon(root, config), paths, config
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The conformance matrix's table of cells and results, when its cells ran."""
+    matrix = sys.modules.get("test_conformance")
+    table = matrix and matrix.matrix_table()
+    if table:
+        terminalreporter.write_sep("=", "conformance matrix")
+        terminalreporter.write_line(table)

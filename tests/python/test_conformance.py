@@ -10,7 +10,7 @@ of a dataset without sample counts) checks the refusal's message.
 
 CI runs a covering subset: every pair of axis values (of the cells that apply) at least once,
 chosen deterministically. `SHARDD_MATRIX=full` runs every cell. The run prints the matrix as a
-table (`pytest -s`, or the summary at the end of the session's output)."""
+table of cells and results at the end of its output (conftest's pytest_terminal_summary)."""
 
 import collections
 import gzip
@@ -378,19 +378,20 @@ def test_cell(make_daemon, data, mode, delivery, reader, event):
     RESULTS[cell] = "ok"
 
 
-def teardown_module(module):
-    """The matrix as a table: one row per cell run."""
+def matrix_table():
+    """The matrix as a table, one row per cell run (None when no cell ran): printed at the
+    end of the session's output (conftest's pytest_terminal_summary)."""
     if not RESULTS:
-        return
-    lines = [f"conformance matrix: {len(RESULTS)} cells ({'full' if FULL else 'pairwise'})",
+        return None
+    lines = [f"conformance matrix: {len(RESULTS)} cells ({'full' if FULL else 'every pair of values'})",
              "| mode | delivery | reader | event | result |", "|---|---|---|---|---|"]
     lines += [f"| {' | '.join(c)} | {r} |" for c, r in sorted(RESULTS.items())]
     text = "\n".join(lines)
-    print("\n" + text)
     out = os.environ.get("SHARDD_MATRIX_TABLE")
     if out:
         with open(out, "w") as f:
             f.write(text + "\n")
+    return text
 
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["socket", "zero_copy"])
