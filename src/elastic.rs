@@ -958,14 +958,12 @@ mod tests {
     const GOLDEN_SEGMENTS: [(u32, u32, u32, u64, u64); 3] =
         [(0, 1, 1, 1, 5), (1, 2, 0, 3, 5), (1, 2, 1, 1, 3)];
 
-    #[test]
-    fn bad_origins_are_refused_with_what_is_wrong() {
-        let counts = vec![10u64; 4];
+    /// A one-host job of one stream over shards of `counts` samples (a manifest's).
+    fn one_stream(counts: &[u64]) -> (Shape<'_>, Topology, StreamRequest) {
         let shape = Shape {
-            counts: Some(&counts),
-            ..Shape::shards(4)
+            counts: Some(counts),
+            ..Shape::shards(counts.len())
         };
-        let host = Topology { index: 0, count: 1 };
         let req = StreamRequest {
             seed: 0,
             epoch: 0,
@@ -974,6 +972,13 @@ mod tests {
             worker: 0,
             num_workers: 1,
         };
+        (shape, Topology { index: 0, count: 1 }, req)
+    }
+
+    #[test]
+    fn bad_origins_are_refused_with_what_is_wrong() {
+        let counts = vec![10u64; 4];
+        let (shape, host, req) = one_stream(&counts);
         let o = |hosts, world_size, positions: Vec<u64>| Origin {
             hosts,
             world_size,
@@ -999,19 +1004,7 @@ mod tests {
     #[test]
     fn requests_past_the_bound_are_refused_before_any_work() {
         let counts = vec![300_000u64; 4];
-        let shape = Shape {
-            counts: Some(&counts),
-            ..Shape::shards(4)
-        };
-        let host = Topology { index: 0, count: 1 };
-        let req = StreamRequest {
-            seed: 0,
-            epoch: 0,
-            rank: 0,
-            world_size: 1,
-            worker: 0,
-            num_workers: 1,
-        };
+        let (shape, host, req) = one_stream(&counts);
         let origin = |world_size, num_workers| Origin {
             hosts: 1,
             world_size,
