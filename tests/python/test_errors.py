@@ -108,7 +108,9 @@ def small_disk(tmp_path):
 def test_full_disk_is_an_error_naming_the_shard(make_daemon, fake_gcs, small_disk):
     # A local shard small enough for the 64 KiB disk (local shards are copied into the cache).
     local = f'[datasets.local]\nshards = "{TESTDATA / "compressed.tar"}"\n'
-    d = make_daemon(gcs_config(fake_gcs, extra=local), cache_dir=small_disk)
+    # A budget larger than the disk (the default, "auto", would fit the disk and refuse the
+    # shard before writing): what a full disk does, not what the budget does.
+    d = make_daemon(gcs_config(fake_gcs, extra=local), cache_dir=small_disk, cache='max_size = "100GiB"')
     with shardd.Client(d.socket) as c:
         with pytest.raises(shardd.DaemonError) as e:
             list(c.stream("train", epoch=0, rank=0, world_size=1))

@@ -125,7 +125,7 @@ def test_host_auto_with_nobody_to_ask_is_a_clear_error(fake_gcs, tmp_path):
             f"127.0.0.1:{port} did not answer") in out.stderr, out.stderr
     bad = write_config(tmp_path, gcs_config(fake_gcs).split("\n", 3)[3], host='[host]\nindex = "first"')
     out = subprocess.run([SHARDD, "check", "--config", str(bad)], capture_output=True, text=True)
-    assert out.returncode == 1 and 'host.index "first" is neither a number nor "auto"' in out.stderr
+    assert out.returncode == 1 and 'host.index "first" is neither a number, "auto" nor "from-clients"' in out.stderr
 
 
 def test_sd_notify_ready_then_stopping(fake_gcs, tmp_path):
