@@ -650,8 +650,9 @@ fn plan_mix(
         }
         Some(origin) => {
             h.update(serde_json::to_vec(origin).expect("an origin serialises"));
-            let splits = crate::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
+            // The request's own topology first: the split divides by its world size.
             let local = plan::validate(config.host, &req)?;
+            let splits = crate::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
             let stream = local * req.num_workers as usize + req.worker as usize;
             let lanes = splits
                 .iter()
