@@ -500,7 +500,7 @@ fn report(
 }
 
 /// What planning a request gives.
-struct Plan {
+pub struct Plan {
     lanes: Vec<PlannedLane>,
     mix: Option<stream::Interleave>,
     samples: Option<u64>,
@@ -510,6 +510,22 @@ struct Plan {
     fingerprint: String,
     /// Samples say which dataset they are of (a mix's).
     tag_sources: bool,
+}
+
+/// The planning of a request, without the runtime: what `plan_off_runtime` runs on the
+/// blocking pool; public for the fuzz target and its replay (`fuzz/fuzz_targets/request.rs`).
+/// `dataset` must be one of the config's datasets or mixes.
+pub fn plan_sync(
+    config: &Config,
+    dataset: &str,
+    req: StreamRequest,
+    resume_from: Option<&crate::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, plan::PlanError> {
+    match config.mixes.get(dataset) {
+        Some(mix) => plan_mix(config, mix, req, resume_from, with_next),
+        None => plan_dataset(config, dataset, req, resume_from, with_next),
+    }
 }
 
 /// Plans the stream's epoch (or, with `resume_from`, the rest of it after a checkpoint at
@@ -535,11 +551,13 @@ async fn plan_off_runtime(
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
     let work = move || {
-        let config = &daemon.config;
-        match config.mixes.get(&dataset) {
-            Some(mix) => plan_mix(config, mix, req, resume_from.as_ref(), with_next),
-            None => plan_dataset(config, &dataset, req, resume_from.as_ref(), with_next),
-        }
+        plan_sync(
+            &daemon.config,
+            &dataset,
+            req,
+            resume_from.as_ref(),
+            with_next,
+        )
     };
     tokio::task::spawn_blocking(work)
         .await

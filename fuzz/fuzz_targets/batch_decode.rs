@@ -2,12 +2,13 @@
 //! send). Properties: it never panics or allocates beyond the body it was given, and whatever
 //! it accepts means the same thing after encode → decode (the encoder and the decoder agree on
 //! every batch the decoder accepts).
-#![no_main]
+#![cfg_attr(not(test), no_main)]
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
+#[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::cache::ShardBytes;
 use shardd::protocol::{self, HEADER_LEN, Kind, ReceivedSample};

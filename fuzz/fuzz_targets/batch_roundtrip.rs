@@ -2,13 +2,14 @@
 //! data of any size the fuzzer picks, small and large pieces mixed). Also checks the header
 //! words a client relies on to read a batch without reading ahead: the frame length,
 //! `payload_offset` and `max_piece`, and that batches respect their sample limit.
-#![no_main]
+#![cfg_attr(not(test), no_main)]
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use arbitrary::Arbitrary;
 use bytes::Bytes;
+#[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::cache::ShardBytes;
 use shardd::protocol::{self, BATCH_MAX_SAMPLES, HEADER_LEN, Kind};

@@ -7,9 +7,10 @@
 //! - Raw: any string. Properties: no panic, never more than `MAX_EXPANSION` names, `count`
 //!   agrees with `expand`, and a string without braces or backslashes is its own only
 //!   expansion.
-#![no_main]
+#![cfg_attr(not(test), no_main)]
 
 use arbitrary::{Arbitrary, Unstructured};
+#[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::braces::{self, BraceError, MAX_EXPANSION};
 

@@ -1,12 +1,13 @@
 //! The config parser and validator on arbitrary text. Properties: no panic (absurd sizes and
 //! durations are errors, not overflows), every error names what is wrong (never an empty
 //! message), and a config that validates holds every invariant the daemon relies on.
-#![no_main]
+#![cfg_attr(not(test), no_main)]
 
 use std::collections::HashSet;
 use std::path::Path;
 use std::time::Duration;
 
+#[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::braces;
 use shardd::config::{Config, FileConfig, Patterns};

@@ -7,9 +7,10 @@
 //!   before the bytes arrive (a 5-byte header saying 4 GiB is not 4 GiB of memory).
 //! - The daemon's view (preamble, then a REQUEST frame of JSON): a request that parses
 //!   survives encode → decode unchanged.
-#![no_main]
+#![cfg_attr(not(test), no_main)]
 
 use futures::executor::block_on;
+#[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::protocol::{self, HEADER_LEN, Kind, MAX_CLIENT_FRAME, PREAMBLE_LEN, Request};
 

@@ -3,11 +3,12 @@
 //! every error names the manifest, a manifest that parses serialises back to itself, and
 //! checked against exactly the shards it lists it gives its sample counts (or says a shard is
 //! listed twice) and finds the versions it lists unchanged.
-#![no_main]
+#![cfg_attr(not(test), no_main)]
 
 use std::collections::HashSet;
 use std::path::Path;
 
+#[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::manifest::Manifest;
 use shardd::url::ShardUrl;

@@ -17,12 +17,13 @@
 //! reference walk visits (so the fuzzer gets past checksums; bit 1 picks the signed sum);
 //! bytes starting with the gzip or a zstd magic are decompressed first (at most 16 MiB) by
 //! the cache's own decoders (`shardd::cache::decompress`), as the cache does.
-#![no_main]
+#![cfg_attr(not(test), no_main)]
 
 use std::io::Read;
 use std::sync::{Arc, LazyLock};
 
 use bytes::Bytes;
+#[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use regex::Regex;
 use shardd::cache::ShardBytes;
@@ -62,10 +63,13 @@ fn sums(block: &[u8]) -> (i64, i64) {
     (u, s)
 }
 
+/// A PAX record: key and value.
+type PaxRecord<'a> = (&'a [u8], &'a [u8]);
+
 /// tarfile's `_proc_pax` record loop: `"%d %s=%s\n"`, the length counting the whole record;
 /// it ends where the bytes stop looking like a record (`\d+ `), e.g. at padding. Where
 /// tarfile would guess (a record past the data, no `=` or newline), shardd refuses.
-fn pax_records(body: &[u8]) -> Result<Vec<(&[u8], &[u8])>, Failure> {
+fn pax_records(body: &[u8]) -> Result<Vec<PaxRecord<'_>>, Failure> {
     let mut out = Vec::new();
     let mut pos = 0;
     while pos < body.len() {
