@@ -332,8 +332,8 @@ impl Cache {
     /// will have in this process: a shard fetched again is a new entry), for what is derived
     /// from them and kept ([`crate::sample_index`]).
     pub async fn get_identified(&self, shard: &ShardUrl) -> Result<(ShardBytes, u64), FetchError> {
-        // More than two: another reader may have pinned the same missing entry, and it is
-        // served to this one again until that pin is dropped.
+        // A missing file is fetched again once every reader that pinned its entry has let go
+        // (`until_unpinned`); more than two attempts in case it goes missing again.
         const ATTEMPTS: u32 = 3;
         let mut attempts = 0;
         loop {
@@ -353,6 +353,7 @@ impl Cache {
                     tracing::warn!(url = %shard, path = %entry.path.display(), "a cache file was deleted under the daemon: fetching it again");
                     drop(pin);
                     self.inner.distrust(&entry);
+                    self.inner.until_unpinned(&entry).await;
                 }
                 Err(e) => return Err(FetchError::io(shard, "mapping the cache file")(e)),
             }

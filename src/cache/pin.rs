@@ -79,6 +79,27 @@ impl Inner {
             r.verified = false;
         }
     }
+
+    /// Waits until no reader pins `entry` (or it is no longer the shard's entry). A pinned
+    /// entry is served as it is, so a reader that found its file missing and pinned it again
+    /// while another reader still held it (pinned, not yet mapped: it finds the file missing
+    /// too and lets go at once) was served the missing file again, and its stream failed
+    /// with "mapping the cache file" (two DataLoader workers reading the same shard).
+    pub(super) async fn until_unpinned(&self, entry: &Arc<Entry>) {
+        loop {
+            let released = self.space.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            {
+                let st = self.state.lock().unwrap();
+                match st.slots.get(&entry.meta.url) {
+                    Some(Slot::Ready(r)) if Arc::ptr_eq(&r.entry, entry) && r.pins > 0 => {}
+                    _ => return,
+                }
+            }
+            released.await;
+        }
+    }
 }
 
 /// Maps a cache file read-only (in a blocking thread) and asks the kernel to read into the

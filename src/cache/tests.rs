@@ -670,3 +670,35 @@ async fn deleted_cache_files_are_fetched_again() {
     assert_eq!(f.metrics.cache_bytes.get() as u64, 2 * (70_000 + META_MAX));
     assert_eq!(f.metrics.cache_verify_failures_total.get(), 0);
 }
+
+/// A reader that finds an entry's file deleted while another reader pins the entry (pinned,
+/// not yet mapped) waits for that pin to go, then fetches the shard again (before, it was
+/// served the pinned entry three times and failed with "mapping the cache file": two
+/// DataLoader workers on one shard, the conformance matrix's deleted-files event).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_file_pinned_by_another_reader_is_fetched_again_once_it_lets_go() {
+    let f = Fixture::new(1, 70_000);
+    let cache = f.open(10 << 20, HOUR);
+    let shard = f.shard(0);
+    drop(cache.get(&shard).await.unwrap());
+    let entry = cache.pin(&shard).await.unwrap();
+    let held = Pin {
+        inner: cache.inner.clone(),
+        url: shard.as_str().to_string(),
+        entry: entry.clone(),
+    };
+    std::fs::remove_file(&entry.path).unwrap();
+    let get = {
+        let (c, s) = (cache.clone(), shard.clone());
+        tokio::spawn(async move { c.get(&s).await.map(|b| b.to_vec()) })
+    };
+    let distrusted = || {
+        let st = cache.inner.state.lock().unwrap();
+        matches!(st.slots.get(shard.as_str()), Some(Slot::Ready(r)) if !r.verified)
+    };
+    wait_until(&get, distrusted).await;
+    drop(held);
+    assert_eq!(get.await.unwrap().unwrap(), content(0, 70_000));
+    assert_eq!(f.reads(), 2);
+    assert_eq!(f.metrics.cache_pinned_bytes.get(), 0);
+}
