@@ -23,15 +23,12 @@ echo "== system packages"
 apt_install prometheus systemd zstd   # promtool checks /metrics; systemd-analyze checks deploy/systemd; zstd and pzstd write the zstd test shards
 
 echo "== python venv"
+# torch and torch_xla first, without their dependencies (tests/requirements-torch.txt lists
+# what they need, less the CUDA packages torch does not load), then the rest.
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --no-cache-dir --disable-pip-version-check -r tests/requirements.txt -e clients/python
-
-echo "== python venv for PyTorch/XLA"
-# torch_xla pins torch==2.9.0, older than .venv's: its own venv, for tests/python/test_xla.py.
-# --no-deps: the list is complete, less the CUDA packages and triton that torch does not load
-# (tests/requirements-xla.txt says which); about 6 GB and three minutes the first time.
-[ -x .venv-xla/bin/python ] || python3 -m venv .venv-xla
-.venv-xla/bin/pip install -q --no-cache-dir --disable-pip-version-check --no-deps -r tests/requirements-xla.txt -e clients/python
+pip=(.venv/bin/pip install -q --no-cache-dir --disable-pip-version-check)
+"${pip[@]}" --no-deps -r tests/requirements-torch.txt
+"${pip[@]}" -r tests/requirements.txt -e clients/python
 
 echo "== build"
 cargo build --locked --bins

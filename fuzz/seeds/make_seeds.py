@@ -2,11 +2,13 @@
 python3 fuzz/seeds/make_seeds.py. The tar seeds include two shards of the webdataset
 project's own test data (BSD-style license, see tests/data/webdataset/LICENSE)."""
 
+import gzip
 import io
 import json
 import pathlib
 import shutil
 import struct
+import subprocess
 import tarfile
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -84,6 +86,9 @@ def tars():
     R, D = tarfile.REGTYPE, tarfile.DIRTYPE
     for name in ["compressed.tar", "sample.tgz"]:
         out("tar", name, b"\0" + (TESTDATA / name).read_bytes())
+    plain = gzip.decompress((TESTDATA / "sample.tgz").read_bytes())
+    zst = subprocess.run(["zstd", "-19", "-q", "-c"], input=plain, capture_output=True, check=True)
+    out("tar", "sample.tar.zst", b"\0" + zst.stdout)
     long = "d" * 120 + "/sample.seg.PNG"
     out("tar", "gnu-longname", b"\0" + tar_bytes(tarfile.GNU_FORMAT, [
         ("dir/", b"", D), (long, b"x" * 600, R), ("d" * 120 + "/sample.cls", b"3", R)]))
@@ -190,13 +195,22 @@ def requests():
     req("absurd-origin-chain", resume_from=chain)
     req("absurd-positions", resume_from=origin(2, 2, position=u64))
     # Just inside the bound (elastic::MAX_STREAMS over the new topology and every origin, times
-    # a mix's sources: ~0.5 s and ~100 MB in a release build), and just past it. Requests at the
-    # bound that take seconds to minutes are open findings (fuzz/README.md), not seeds: the
-    # replay (tests/fuzz_seeds.rs) would time out.
+    # a mix's sources: ~0.5 s and ~100 MB in a release build), and just past it.
     req("bound-origin", resume_from=origin(bound - 1))
     req("bound-past", resume_from=origin(bound))
     req("bound-mix", dataset="mix", resume_from=origin(bound // 3 - 1))
     req("bound-pair-past", dataset="pair", resume_from=origin(bound // 2))
+    # The quadratic splits (fuzz/README.md, "Found so far"): many old hosts dealt to one new
+    # one (709 s before), many new streams cut from one host's rest (26-31 s), a long chain.
+    req("bound-old-hosts", resume_from=origin(bound - 1, hosts=bound - 1, position=1))
+    req("bound-new-ranks", rank=bound // 2 - 1, world_size=bound // 2,
+        resume_from=origin(bound // 2, hosts=2))
+    chain = origin(bound // 16 - 1, position=1)
+    for _ in range(15):
+        chain = origin(bound // 16 - 1, position=1, **{"from": chain})
+    req("bound-chain", resume_from=chain)
+    # A mix's origin was split before the request was checked: world_size 0 divided by zero.
+    req("mix-world-zero", op="plan", dataset="pair", world_size=0, resume_from=origin(1))
 
 if __name__ == "__main__":
     for d in HERE.iterdir():

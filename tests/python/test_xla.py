@@ -1,27 +1,24 @@
 """shardd.torch under PyTorch/XLA: replicas started by xmp.spawn that pass no rank take theirs
 from torch_xla's runtime (issue 23: they got world size 1 and each read the whole epoch).
-Real torch_xla on CPU (PJRT_DEVICE=CPU), from .venv-xla (scripts/test.sh makes it from
-tests/requirements-xla.txt: torch_xla pins a torch other than .venv's), against the real
+Real torch_xla on CPU (PJRT_DEVICE=CPU; scripts/test.sh installs it from
+tests/requirements-torch.txt), in a process of its own (xmp.spawn), against the real
 daemon; the shards are written by webdataset and indexed by `shardd index`."""
 
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import webdataset as wds
 
 import shardd
-from conftest import ROOT, index
+from conftest import index
 
-XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
 REPLICAS = 4  # CPU_NUM_DEVICES: on CPU, xmp.spawn runs one replica per device
 WORKERS = 1  # a DataLoader worker per replica: it must read the rank of its trainer
 SHARDS, PER_SHARD = 8, 12  # 96 samples: 24 for each replica's stream, none dropped
 
-pytestmark = pytest.mark.skipif(
-    not XLA_PYTHON.exists(),
-    reason=".venv-xla is absent: scripts/test.sh creates it from tests/requirements-xla.txt")
 
 REPLICA_SCRIPT = r"""
 import json, pathlib, sys
@@ -85,7 +82,7 @@ def test_xmp_spawn_replicas_take_their_rank_from_torch_xla(xla_daemon, tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(REPLICAS)}
-    run = subprocess.run([str(XLA_PYTHON), str(script), str(xla_daemon.socket), str(out),
+    run = subprocess.run([sys.executable, str(script), str(xla_daemon.socket), str(out),
                           str(WORKERS)], capture_output=True, text=True, env=env, cwd=tmp_path,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-5000:]
