@@ -18,7 +18,7 @@ config whose dataset is a local directory, then measures a release daemon that i
 Prints the figures. What the daemon checks at start: with a manifest it stats (a HEAD on a
 bucket) every shard of its own host's share, ~shards/hosts of them, and refuses to start if
 one is missing or changed. So this script creates exactly that share as sparse files (their
-size as the manifest says, no blocks), computing the share as `plan.rs` does (SplitMix64,
+size as the manifest says, no blocks), computing the share as `plan/mod.rs` does (SplitMix64,
 Fisher-Yates, cut by samples); every other shard is absent. A wrong share would stop the
 daemon, naming the first missing shard: the stat of the share is measured, not skipped.
 
@@ -61,7 +61,7 @@ def key(words):
 
 
 def share_order(n, share_seed):
-    """plan.rs's share_order: Fisher-Yates of 0..n with SplitMix64 keyed by (HOST_SHARE, seed)."""
+    """plan/mod.rs's share_order: Fisher-Yates of 0..n with SplitMix64 keyed by (HOST_SHARE, seed)."""
     state = key([1, share_seed])
     order = list(range(n))
     for i in range(n - 1, 0, -1):
@@ -78,7 +78,7 @@ def share_order(n, share_seed):
 
 
 def host_share(counts, share_seed, index, hosts):
-    """plan.rs's host_pieces: the shards whose samples fall in this host's range."""
+    """plan/mod.rs's host_pieces: the shards whose samples fall in this host's range."""
     total = sum(counts)
     lo, hi = total * index // hosts, total * (index + 1) // hosts
     at, mine = 0, []

@@ -5,14 +5,14 @@
 //! Defaults: 1,000,000 shards of ~1000 samples, 256 hosts × 4 ranks × 4 workers. Times
 //! `plan::plan_stream` (sample level, as the daemon plans a stream), `plan::warm_shards` (the
 //! host's share alone), and the Fisher-Yates of the whole shard list that both start with
-//! (the same shuffle `plan.rs` runs, rebuilt here from `shuffle`'s public parts), each the
+//! (the same shuffle `plan/mod.rs` runs, rebuilt here from `shuffle`'s public parts), each the
 //! median of 9.
 
 use std::time::Instant;
 
-use shardd::elastic::{self, Origin};
+use shardd::plan::elastic::{self, Origin};
+use shardd::plan::shuffle::{self, SplitMix64, tag};
 use shardd::plan::{Shape, ShareCache, StreamRequest, Topology, plan_stream, warm_shards};
-use shardd::shuffle::{self, SplitMix64, tag};
 
 fn median(mut f: impl FnMut()) -> f64 {
     let mut times: Vec<f64> = (0..9)

@@ -2,58 +2,31 @@
 //! storage to the host's trainer processes over a Unix socket.
 //!
 //! # Layout
-//! The data flows in one direction, one module per box:
+//! A folder per stage of the data flow, which runs one way: store → cache → shard → plan →
+//! serve, with config below every stage and the commands above them. A module imports only
+//! from its own stage, the stages before it, `config`, `ops` and `protocol`.
 //!
-//! | box | file | job |
+//! | stage | folder | job |
 //! |---|---|---|
-//! | config | `config.rs` | TOML → validated runtime [`config::Config`] |
-//! | shard lists | `braces.rs` | `train-{000000..000639}.tar` → shard URLs |
-//! | shard URLs | `url.rs` | one shard's location, object names verbatim |
+//! | config | `config/` | TOML → validated [`config::Config`]; shard patterns (`braces`), shard URLs (`url`), the host's place in the job (`host`) |
 //! | store | `store/` | reads a shard from its source: credentials asked once, ranged parallel GETs checksummed as they land, verification, local copies |
-//! | cache | `cache/` | the host-level shard source: verified entries on disk, hard budget, pins, single flight, eviction |
-//! | prefetch | `prefetch.rs` | what to load next, from the plans of the open streams (and their next epoch) |
-//! | manifest | `manifest.rs` | per-shard sizes, ETags, checksums, sample counts (`shardd index`) |
-//! | plan | `plan.rs` | (seed, epoch, topology, rank, worker) → which samples (pieces of shards), in which order |
-//! | elastic | `elastic.rs` | a checkpoint's rest of the epoch, redistributed over another topology |
-//! | shard | `shard.rs` | tar bytes → WebDataset samples (zero-copy slices) |
-//! | sample index | `sample_index.rs` | where each sample of a cached shard lies: a shard read again is not parsed again |
-//! | shuffle | `shuffle.rs` | seeded generator; windowed sample shuffle |
-//! | stream | `stream.rs` | one stream: shards from the cache → parse → shuffle → batch frames |
-//! | protocol | `protocol.rs` | frames of `proto/PROTOCOL.md`, shared by server and client |
-//! | sink | `sink.rs` | writes frames; shard pages go to the socket by reference (splice) |
-//! | server | `server.rs` | Unix socket: accept, handshake, one stream per connection |
-//! | client | `client.rs` | Rust client (used by `cat`, `demo`, tests) |
-//! | metrics, http, status | `metrics.rs`, `http.rs`, `status.rs` | Prometheus registry; `/metrics`, `/healthz`, `/readyz`, `/status` |
-//! | host | `host.rs` | `host.index`/`host.count = "auto"`: environment, then the TPU VM metadata server |
-//! | systemd | `systemd.rs` | `Type=notify` readiness, watchdog, socket activation |
-//! | daemon | `daemon.rs` | wires the boxes together, binds, shuts down |
-//! | demo | `demo.rs` | `shardd demo`: a synthetic dataset through the whole daemon |
+//! | cache | `cache/` | the host-level shard source: verified entries on disk, hard budget, pins, single flight, eviction, decompression |
+//! | shard | `shard/` | tar bytes → WebDataset samples (zero-copy slices); where each sample of a cached shard lies (`sample_index`); per-shard sizes, checksums, counts (`manifest`) |
+//! | plan | `plan/` | (dataset, seed, epoch, topology, rank, worker) → which samples, in which order: shares, `shuffle`, `mix`, `elastic`, and [`plan::request`], the one entry point the server calls |
+//! | serve | `serve/` | the daemon (`daemon`), the Unix socket (`server`), one stream per connection (`stream`), frames to the socket (`sink`) or by reference (`mapped`, zero copy), `prefetch`, `/status` and HTTP |
+//! | protocol, client | `protocol.rs`, `client.rs` | frames of `proto/PROTOCOL.md`; the Rust client (`cat`, `demo`, tests) |
+//! | ops | `ops/` | Prometheus metrics, systemd readiness and watchdog, progress lines, malloc tuning |
+//! | commands | `cmd/` | `demo`, `warm`, `index`, `plan` (the report), `install-units` and `merge-config` (`units`) |
 //!
 //! `main.rs` only parses the command line.
 
-pub mod braces;
 pub mod cache;
 pub mod client;
+pub mod cmd;
 pub mod config;
-pub mod daemon;
-pub mod demo;
-pub mod elastic;
-pub mod host;
-pub mod http;
-pub mod manifest;
-pub mod mapped;
-pub mod metrics;
-pub mod mix;
+pub mod ops;
 pub mod plan;
-pub mod prefetch;
 pub mod protocol;
-pub mod sample_index;
-pub mod server;
+pub mod serve;
 pub mod shard;
-pub mod shuffle;
-pub mod sink;
-pub mod status;
 pub mod store;
-pub mod stream;
-pub mod systemd;
-pub mod url;

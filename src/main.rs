@@ -7,12 +7,8 @@ use shardd::config::Config;
 use shardd::protocol::Request;
 use tokio_util::sync::CancellationToken;
 
-mod index;
-mod malloc;
-mod plan_report;
-mod progress;
-mod units;
-mod warm;
+use shardd::cmd::{index, plan_report, units, warm};
+use shardd::ops::{malloc, progress};
 
 #[derive(Parser)]
 #[command(
@@ -176,8 +172,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve { config } => {
             let config = Config::load(&config)?;
-            tracing::info!("{}", shardd::host::budget_line(&config));
-            for w in shardd::host::space_warnings(&config) {
+            tracing::info!("{}", shardd::config::host::budget_line(&config));
+            for w in shardd::config::host::space_warnings(&config) {
                 tracing::warn!("{w}");
             }
             runtime.block_on(serve(config))
@@ -212,7 +208,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             runtime.block_on(cat(socket, req, limit))
         }
-        Command::Demo => runtime.block_on(shardd::demo::run()),
+        Command::Demo => runtime.block_on(shardd::cmd::demo::run()),
         Command::Status { url } => runtime.block_on(status(&url)),
         Command::Plan { config, args } => runtime.block_on(plan_report::run(&config, args)),
         Command::InstallUnits { dir, config } => units::install(&dir, config.as_deref()),
@@ -246,7 +242,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             std::process::exit(130);
         })
     };
-    shardd::daemon::run(config, shutdown).await?;
+    shardd::serve::daemon::run(config, shutdown).await?;
     signals.abort();
     Ok(())
 }
@@ -255,7 +251,7 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
     let config = Config::load(path)?;
     let stores = shardd::store::Stores::from_config(&config, Default::default())?;
     println!("{}: ok", path.display());
-    for w in shardd::host::space_warnings(&config) {
+    for w in shardd::config::host::space_warnings(&config) {
         println!("warning: {w}");
     }
     if reach_stores {
@@ -293,7 +289,7 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
 async fn check_shards(
     stores: &shardd::store::Stores,
     name: &str,
-    shards: &[shardd::url::ShardUrl],
+    shards: &[shardd::config::url::ShardUrl],
     parallel: usize,
 ) -> usize {
     use futures::StreamExt;
@@ -339,7 +335,7 @@ async fn check_shards(
 async fn status(url: &str) -> anyhow::Result<()> {
     use anyhow::Context;
     let url = format!("{}/status", url.trim_end_matches('/'));
-    let s: shardd::status::Status = reqwest::get(&url)
+    let s: shardd::serve::status::Status = reqwest::get(&url)
         .await
         .and_then(|r| r.error_for_status())
         .with_context(|| format!("asking {url}"))?

@@ -95,7 +95,7 @@ pub struct Request {
     /// An elastic resume: the rest of `epoch` after a checkpoint taken at another topology
     /// (`elastic.rs`); `start` then counts samples of the new stream. Version 4.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resume_from: Option<crate::elastic::Origin>,
+    pub resume_from: Option<crate::plan::elastic::Origin>,
     /// Zero-copy delivery (`mapped.rs`): shard files passed as descriptors. Version 5.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub zero_copy: bool,

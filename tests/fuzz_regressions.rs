@@ -1,6 +1,6 @@
 //! Inputs the fuzz targets (`fuzz/`, see fuzz/README.md) found, replayed in the normal test
 //! suite with the fixes they led to. Semantics found along the way are also tested next to
-//! their code (`braces.rs`, `shard.rs`); this file keeps the exact inputs.
+//! their code (`braces.rs`, `shard/mod.rs`); this file keeps the exact inputs.
 //!
 //! Its own test binary, because of the allocator: any single allocation over 256 MiB aborts
 //! the process, so "a header claimed 4 GiB and we allocated it" fails here even on a machine
@@ -11,10 +11,10 @@ use std::path::Path;
 
 use bytes::Bytes;
 use futures::executor::block_on;
-use shardd::braces::{self, BraceError};
 use shardd::config::Config;
-use shardd::manifest::Manifest;
+use shardd::config::braces::{self, BraceError};
 use shardd::protocol::{self, MAX_CLIENT_FRAME};
+use shardd::shard::manifest::Manifest;
 
 struct Capped;
 

@@ -12,7 +12,7 @@
 use arbitrary::{Arbitrary, Unstructured};
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
-use shardd::braces::{self, BraceError, MAX_EXPANSION};
+use shardd::config::braces::{self, BraceError, MAX_EXPANSION};
 
 #[derive(Debug, Arbitrary)]
 enum Part {

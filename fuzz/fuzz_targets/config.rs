@@ -9,7 +9,7 @@ use std::time::Duration;
 
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
-use shardd::braces;
+use shardd::config::braces;
 use shardd::config::{Config, FileConfig, Patterns};
 
 fuzz_target!(|data: &[u8]| {

@@ -10,8 +10,8 @@ use std::path::Path;
 
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
-use shardd::manifest::Manifest;
-use shardd::url::ShardUrl;
+use shardd::config::url::ShardUrl;
+use shardd::shard::manifest::Manifest;
 
 const URL: &str = "gs://bucket/train.manifest.json";
 

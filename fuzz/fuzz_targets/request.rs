@@ -21,7 +21,7 @@ use libfuzzer_sys::fuzz_target;
 use shardd::config::Config;
 use shardd::plan::StreamRequest;
 use shardd::protocol::{MAX_CLIENT_FRAME, Request};
-use shardd::server;
+use shardd::serve::server;
 
 /// Live bytes a plan may peak at: a plan costs the shard count and the streams of the
 /// request, bounded by `elastic::MAX_STREAMS`, never what its numbers say. The worst measured

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::evict::{self, Candidate};
 use super::{Entry, FetchError, Inner, Purpose, Slot, State};
-use crate::url::ShardUrl;
+use crate::config::url::ShardUrl;
 
 /// Bytes charged against the budget until dropped or turned into an entry's charge.
 pub(super) struct Reservation {

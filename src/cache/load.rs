@@ -12,8 +12,8 @@ use super::budget::Reservation;
 use super::decompress::Compression;
 use super::disk::{self, META_MAX, Meta};
 use super::{FetchError, Inner, LoadResult, Purpose, Ready, Slot, State};
+use crate::config::url::ShardUrl;
 use crate::store::{ReadError, Version};
-use crate::url::ShardUrl;
 
 /// What waiters on a load share.
 pub(super) type SharedLoad = Shared<BoxFuture<'static, LoadResult>>;

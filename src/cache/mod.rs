@@ -56,9 +56,9 @@ use self::disk::{Disk, META_MAX, Meta};
 use self::evict::Foresight;
 use self::load::SharedLoad;
 use self::pin::{Pin, Pinned, map_entry};
-use crate::metrics::Metrics;
+use crate::config::url::ShardUrl;
+use crate::ops::metrics::Metrics;
 use crate::store::{ReadError, Stores};
-use crate::url::ShardUrl;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
@@ -330,7 +330,7 @@ impl Cache {
 
     /// [`Cache::get`], and the id of the entry the bytes are (an id no other entry has had or
     /// will have in this process: a shard fetched again is a new entry), for what is derived
-    /// from them and kept ([`crate::sample_index`]).
+    /// from them and kept ([`crate::shard::sample_index`]).
     pub async fn get_identified(&self, shard: &ShardUrl) -> Result<(ShardBytes, u64), FetchError> {
         // A missing file is fetched again once every reader that pinned its entry has let go
         // (`until_unpinned`); more than two attempts in case it goes missing again.

@@ -135,7 +135,7 @@ fn residency(file: &std::fs::File, len: usize) -> Option<bool> {
     use std::sync::atomic::{AtomicU64, Ordering};
     const PROBES: usize = 16;
     static CALLS: AtomicU64 = AtomicU64::new(0);
-    let mut rng = crate::shuffle::SplitMix64::new(CALLS.fetch_add(1, Ordering::Relaxed));
+    let mut rng = crate::plan::shuffle::SplitMix64::new(CALLS.fetch_add(1, Ordering::Relaxed));
     let page_size = rustix::param::page_size();
     let pages = len.div_ceil(page_size);
     let mut byte = [0u8; 1];

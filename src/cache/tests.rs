@@ -104,7 +104,7 @@ impl Fixture {
 }
 
 fn content(i: usize, size: usize) -> Vec<u8> {
-    let mut rng = crate::shuffle::SplitMix64::new(i as u64 + 1);
+    let mut rng = crate::plan::shuffle::SplitMix64::new(i as u64 + 1);
     (0..size).map(|_| rng.next_u64() as u8).collect()
 }
 

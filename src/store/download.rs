@@ -24,7 +24,7 @@ use object_store::{GetOptions, GetRange, ObjectStore};
 use super::reported::Reported;
 use super::verify::Received;
 use super::{ReadError, Stores, Version};
-use crate::url::ShardUrl;
+use crate::config::url::ShardUrl;
 
 /// Body bytes a part gathers before handing them to the writer. The HTTP client's chunks
 /// average ~220 KiB here (2.4 k `recv`s and as many `pwrite`s and writer wake-ups per

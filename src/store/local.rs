@@ -12,7 +12,7 @@ use std::path::Path;
 use bytes::Bytes;
 
 use super::{ReadError, Version};
-use crate::url::ShardUrl;
+use crate::config::url::ShardUrl;
 
 fn not_found_or(url: &ShardUrl, what: &'static str) -> impl FnOnce(std::io::Error) -> ReadError {
     let url = url.clone();

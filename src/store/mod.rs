@@ -35,9 +35,9 @@ use tokio::sync::Semaphore;
 use self::build::Bucket;
 pub use self::credentials::CredentialsError;
 pub use self::verify::{Checked, Fetched};
+use crate::config::url::{Location, ShardUrl};
 use crate::config::{Config, Verify};
-use crate::metrics::Metrics;
-use crate::url::{Location, ShardUrl};
+use crate::ops::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -237,7 +237,7 @@ impl Stores {
         file: std::fs::File,
     ) -> Result<Fetched, ReadError> {
         let _permit = self.downloads.acquire().await.expect("never closed");
-        let _active = crate::metrics::Active::new(&self.metrics.downloads_active);
+        let _active = crate::ops::metrics::Active::new(&self.metrics.downloads_active);
         let started = Instant::now();
         let result = self.read_verified(shard, version, file).await;
         match &result {

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use super::reported::{Reported, crc32c_text};
 use super::{ReadError, Stores, Version};
 use crate::config::Verify;
-use crate::url::ShardUrl;
+use crate::config::url::ShardUrl;
 
 /// What a download computed over the bytes it wrote.
 #[derive(Debug, Clone, Copy)]

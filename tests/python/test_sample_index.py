@@ -1,4 +1,4 @@
-"""Sample indexes (``src/sample_index.rs``): a cached shard's tar is walked once; the samples
+"""Sample indexes (``src/shard/sample_index.rs``): a cached shard's tar is walked once; the samples
 of every later read (the next epoch, another rank, a resume) are made from its index, with
 the same bytes in the same order, over both delivery paths; ``cache.index_memory = "0"``
 keeps none and walks every time."""

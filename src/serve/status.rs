@@ -156,7 +156,7 @@ impl Board {
 
     pub fn status(&self, uptime: Duration) -> Status {
         let streams = self.streams.lock().unwrap();
-        let host = crate::host::current(&self.config);
+        let host = crate::config::host::current(&self.config);
         Status {
             version: env!("CARGO_PKG_VERSION").into(),
             host_index: host.index,

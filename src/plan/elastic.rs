@@ -257,7 +257,7 @@ pub fn split_mix(
     // Per source: the old streams' lanes, and each old worker's length of it.
     let (lanes, lens, base_mix): (Vec<Lanes>, Vec<Vec<u64>>, _) = match &origin.from {
         None => {
-            let mix = crate::mix::Mix::new(weights, e)
+            let mix = crate::plan::mix::Mix::new(weights, e)
                 .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
             let lanes = (mix.quotas().iter().enumerate())
                 .map(|(i, &quota)| {
@@ -287,7 +287,7 @@ pub fn split_mix(
     }
     // Each old worker's interleave (the same on every rank): the mix's own order at the
     // base, else the order over what an earlier hop left it.
-    let orders: Vec<Option<(crate::mix::Mix, Vec<usize>)>> = (0..k)
+    let orders: Vec<Option<(crate::plan::mix::Mix, Vec<usize>)>> = (0..k)
         .map(|w| match &base_mix {
             Some(mix) => Some((mix.clone(), (0..lens.len()).collect())),
             None => interleave(&lens.iter().map(|l| l[w]).collect::<Vec<_>>()),
@@ -329,17 +329,17 @@ pub fn split_mix(
 /// The order of an elastic mix stream whose sources have `lens` samples: the sources with
 /// samples left, weighted by them (so each is used up exactly at the end); `None` when fewer
 /// than two have any. Returns the order and the sources it ranges over.
-pub fn interleave(lens: &[u64]) -> Option<(crate::mix::Mix, Vec<usize>)> {
+pub fn interleave(lens: &[u64]) -> Option<(crate::plan::mix::Mix, Vec<usize>)> {
     let live: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] > 0).collect();
     let weights: Vec<u64> = live.iter().map(|&i| lens[i]).collect();
-    let mix = crate::mix::Mix::new(&weights, weights.iter().sum()).ok()?;
+    let mix = crate::plan::mix::Mix::new(&weights, weights.iter().sum()).ok()?;
     Some((mix, live))
 }
 
 /// Samples of each source (of `lens` each) among the first `at` of a mixed stream ordered
 /// by `order` (an `interleave`, or none when at most one source has samples).
 fn taken(
-    order: &Option<(crate::mix::Mix, Vec<usize>)>,
+    order: &Option<(crate::plan::mix::Mix, Vec<usize>)>,
     lens: &[u64],
     key: u64,
     at: u64,
@@ -572,7 +572,7 @@ fn cut(segments: &[Segment], lo: u64, hi: u64) -> Vec<Segment> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shuffle::SplitMix64;
+    use crate::plan::shuffle::SplitMix64;
     use std::collections::HashMap;
 
     /// A plan's samples in output order, named (shard, index), shuffled as the stream does.
@@ -582,7 +582,7 @@ mod tests {
             .iter()
             .flat_map(|x| (x.start..x.end.unwrap()).map(move |i| (x.shard, i)))
             .collect();
-        let mut shuffle = crate::shuffle::WindowShuffle::new(p.stream_key, window);
+        let mut shuffle = crate::plan::shuffle::WindowShuffle::new(p.stream_key, window);
         let mut out = Vec::new();
         while !flat.is_empty() {
             let n = shuffle.next_len().min(flat.len());
@@ -871,7 +871,10 @@ mod tests {
             let window = 1 + rng.below(8) as usize;
             let (seed, epoch) = (rng.next_u64(), rng.below(3));
             let t0 = random_topo(&mut rng);
-            let quotas = crate::mix::Mix::new(&weights, e).unwrap().quotas().to_vec();
+            let quotas = crate::plan::mix::Mix::new(&weights, e)
+                .unwrap()
+                .quotas()
+                .to_vec();
             // The whole epoch of each source, and what the old streams consumed of it.
             let mut want = [HashMap::new(), HashMap::new()];
             let mut got: [HashMap<(usize, u64), u32>; 2] = [HashMap::new(), HashMap::new()];
@@ -886,7 +889,7 @@ mod tests {
                         worker: s % t0.workers,
                         num_workers: t0.workers,
                     };
-                    let mix = crate::mix::Mix::new(&weights, e).unwrap();
+                    let mix = crate::plan::mix::Mix::new(&weights, e).unwrap();
                     let taken =
                         mix.counts_at(plan::stream_key(&req), positions[req.worker as usize]);
                     for i in 0..2 {

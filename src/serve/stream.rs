@@ -32,15 +32,15 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::cache::{Cache, FetchError, ShardBytes};
 use crate::config::Dataset;
-use crate::metrics::{Active, Metrics};
+use crate::ops::metrics::{Active, Metrics};
+use crate::plan::shuffle::WindowShuffle;
 use crate::plan::{Piece, StreamPlan};
-use crate::prefetch::{Plans, ScheduleHandle, StreamId};
 use crate::protocol::{self, End, Kind, Part};
-use crate::sample_index::SampleIndexes;
+use crate::serve::prefetch::{Plans, ScheduleHandle, StreamId};
+use crate::serve::sink::{SendError, Sink};
+use crate::serve::status::{Live, Waiting};
+use crate::shard::sample_index::SampleIndexes;
 use crate::shard::{Sample, ShardError};
-use crate::shuffle::WindowShuffle;
-use crate::sink::{SendError, Sink};
-use crate::status::{Live, Waiting};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
@@ -125,7 +125,7 @@ pub struct Job<'a> {
     /// Stops the stream at its next frame boundary.
     pub shutdown: &'a CancellationToken,
     /// Zero-copy delivery (protocol 5): the connection's maps (`mapped.rs`).
-    pub zero_copy: Option<&'a crate::mapped::Maps>,
+    pub zero_copy: Option<&'a crate::serve::mapped::Maps>,
 }
 
 /// The field naming a mixed stream's source, in every sample of a mix.
@@ -133,7 +133,7 @@ static SOURCE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::
 
 /// Which lane each position of a mixed stream takes its sample from.
 pub struct Interleave {
-    pub mix: crate::mix::Mix,
+    pub mix: crate::plan::mix::Mix,
     /// Keys the order: (seed, epoch, stream).
     pub key: u64,
 }
@@ -146,7 +146,7 @@ pub struct StreamContext {
     pub metrics: Arc<Metrics>,
     pub stall_timeout: Duration,
     /// What zero-copy maps may pin, all connections together.
-    pub map_budget: Arc<crate::mapped::MapBudget>,
+    pub map_budget: Arc<crate::serve::mapped::MapBudget>,
 }
 
 /// Serves one stream to `sock` through `sink`, from stream position `job.start` (samples
@@ -867,8 +867,8 @@ fn skip_counted(pieces: Vec<Piece>, mut n: u64) -> (Vec<Piece>, u64) {
 mod tests {
     use super::*;
     use crate::config::Topology;
+    use crate::plan::shuffle::SplitMix64;
     use crate::plan::{Shape, StreamRequest, plan_stream};
-    use crate::shuffle::SplitMix64;
 
     /// What a stream delivers from `start`, as the pump orders it, with the reader replaced
     /// by samples named after their (shard, index).

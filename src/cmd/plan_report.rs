@@ -12,13 +12,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::config::Config;
+use crate::ops::metrics::Metrics;
+use crate::plan::{self, Shape, StreamRequest, Topology};
+use crate::shard::manifest::Manifest;
+use crate::store::Stores;
 use anyhow::{Context, bail};
 use serde::Serialize;
-use shardd::config::Config;
-use shardd::manifest::Manifest;
-use shardd::metrics::Metrics;
-use shardd::plan::{self, Shape, StreamRequest, Topology};
-use shardd::store::Stores;
 
 /// `--from H0,R0,K0`: the topology a job is resized from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,7 +102,7 @@ pub struct HostReport {
     pub share_bytes: Option<u64>,
     /// What its ranks × workers streams hold at once: `working_set.min_budget` is the least
     /// cache.max_size that serves them. None without a manifest.
-    pub working_set: Option<shardd::host::WorkingSet>,
+    pub working_set: Option<crate::config::host::WorkingSet>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -262,7 +262,7 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
         streams_per_host: args.ranks as u64 * args.workers as u64,
         shuffle_buffer: dataset.shuffle_buffer as u64,
         zero_copy_maps: config.zero_copy_maps as u64,
-        zero_copy_share: shardd::host::zero_copy_share(&config),
+        zero_copy_share: crate::config::host::zero_copy_share(&config),
         cache_max_bytes: config
             .cache_max_share
             .is_none()
@@ -308,7 +308,7 @@ pub fn size(r: &mut Report, shape: Shape, sizes: Option<&[u64]>, sizing: Sizing)
             let share = plan::warm_shards(shape, topo);
             let bytes: u64 = share.iter().map(|&i| sizes[i]).sum();
             let samples: u64 = share.iter().map(|&i| counts[i]).sum();
-            let ws = shardd::host::working_set(
+            let ws = crate::config::host::working_set(
                 sizing.streams_per_host,
                 sizing.shuffle_buffer,
                 share.len() as u64,
@@ -367,23 +367,23 @@ pub fn budget_warnings(r: &Report) -> Vec<String> {
 pub async fn check_working_set(
     config: &Config,
     stores: &Stores,
-    d: &shardd::config::Dataset,
+    d: &crate::config::Dataset,
 ) -> anyhow::Result<(Vec<String>, Vec<String>)> {
     let name = &d.name;
     // Without a manifest there are no samples per shard to size a shuffle window in shards.
     let Some(source) = &d.manifest else {
         return Ok((vec![], vec![]));
     };
-    let (manifest, at) = shardd::manifest::load(stores, source, &d.shards)
+    let (manifest, at) = crate::shard::manifest::load(stores, source, &d.shards)
         .await
         .with_context(|| format!("dataset {name}: reading the manifest {source}"))?;
     let bytes: u64 = at.iter().map(|&i| manifest.shards[i].version.size).sum();
     let samples: u64 = at.iter().map(|&i| manifest.shards[i].samples).sum();
     let (maps, share) = (
         config.zero_copy_maps as u64,
-        shardd::host::zero_copy_share(config),
+        crate::config::host::zero_copy_share(config),
     );
-    let one = shardd::host::working_set(
+    let one = crate::config::host::working_set(
         1,
         d.shuffle_buffer as u64,
         d.shards.len() as u64,
@@ -393,7 +393,7 @@ pub async fn check_working_set(
         share,
     );
     let max = config.cache_max_bytes;
-    let fits = shardd::host::streams_that_fit(max, &one, maps, share);
+    let fits = crate::config::host::streams_that_fit(max, &one, maps, share);
     let line = format!(
         "dataset {name}: a stream holds {} shards ({} of its shuffle window of {} samples, + 2) of {} bytes on average: {} bytes, {} with zero copy's maps; cache.max_size ({max} bytes) holds {fits} streams at once (shardd plan sizes a whole job)",
         one.stream_shards,
@@ -540,7 +540,7 @@ pub fn resize(
     };
     let length = plan::stream_samples(counts, shape, from.hosts, &old_req).unwrap_or(0);
     let position = args.position.unwrap_or(length / 2);
-    let origin = shardd::elastic::Origin {
+    let origin = crate::plan::elastic::Origin {
         hosts: from.hosts,
         world_size: old_world,
         num_workers: from.workers,
@@ -552,7 +552,7 @@ pub fn resize(
         num_workers: args.workers,
         ..old_req
     };
-    let split = shardd::elastic::split(shape, args.hosts, &req, &origin)?;
+    let split = crate::plan::elastic::split(shape, args.hosts, &req, &origin)?;
     let per_host = on_threads(args.hosts as usize, threads(), |h| {
         host_fetch(shape, sizes, window, &split, from, h)
     });
@@ -587,7 +587,7 @@ fn host_fetch(
     shape: Shape,
     sizes: Option<&[u64]>,
     window: usize,
-    split: &shardd::elastic::Split,
+    split: &crate::plan::elastic::Split,
     from: From,
     h: usize,
 ) -> HostFetch {
@@ -602,13 +602,13 @@ fn host_fetch(
                 plan::plan_stream(shape, seg.host, &seg.req).expect("planned before")
             })
             .clone();
-        let run = shardd::stream::Run {
+        let run = crate::serve::stream::Run {
             plan,
             from: seg.from,
             to: Some(seg.to),
         };
         shards.extend(
-            shardd::stream::run_pieces(&run, window)
+            crate::serve::stream::run_pieces(&run, window)
                 .iter()
                 .map(|p| p.shard),
         );

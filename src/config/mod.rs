@@ -3,17 +3,20 @@
 //! `config.example.toml`; unknown keys are an error so a typo never silently falls back to a
 //! default.
 
+pub mod braces;
+pub mod host;
+pub mod url;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::braces;
+use crate::config::url::{ShardUrl, UrlError};
 use crate::plan::Shape;
 /// The plan owns the topology type; the config fills it in (`[host]`).
 pub use crate::plan::Topology;
-use crate::url::{ShardUrl, UrlError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -250,12 +253,12 @@ pub struct Config {
     /// ...`server.zero_copy_share` of `cache_max_bytes`.
     pub zero_copy_share: f64,
     /// This host among the job's hosts; where `host_auto` says so, a placeholder until
-    /// [`crate::host::resolve`] has found it.
+    /// [`crate::config::host::resolve`] has found it.
     pub host: Topology,
     pub host_auto: HostAuto,
     /// `host.index = "from-clients"`: the host learned from the streams (shared by every
     /// copy of this config).
-    pub host_learned: std::sync::Arc<crate::host::Learned>,
+    pub host_learned: std::sync::Arc<crate::config::host::Learned>,
     pub cache_dir: PathBuf,
     /// `cache.max_size`: a size, or (`"auto"`, `"N%"`) a share of the cache file system's
     /// free space found when the config is read (`host::cache_budget`).
@@ -309,7 +312,7 @@ impl MixDataset {
 
     /// Each source's quota in `epoch`.
     pub fn quotas(&self, epoch: u64) -> Vec<u64> {
-        crate::mix::quotas(&self.weights(epoch), self.samples_per_epoch)
+        crate::plan::mix::quotas(&self.weights(epoch), self.samples_per_epoch)
             .expect("the config checked the weights")
     }
 
@@ -465,7 +468,7 @@ impl FileConfig {
         let auto = |value: &HostValue, key: &str| match value {
             HostValue::Number(n) => Ok(Some(*n)),
             HostValue::Word(w) if w == "auto" => Ok(None),
-            HostValue::Word(w) if w == crate::host::FROM_CLIENTS && key == "host.index" => {
+            HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS && key == "host.index" => {
                 Ok(Some(0))
             }
             HostValue::Word(w) if key == "host.index" => Err(invalid(format!(
@@ -475,8 +478,7 @@ impl FileConfig {
                 "{key} {w:?} is neither a number nor \"auto\""
             ))),
         };
-        let from_clients =
-            matches!(&self.host.index, HostValue::Word(w) if w == crate::host::FROM_CLIENTS);
+        let from_clients = matches!(&self.host.index, HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS);
         let (index, count) = (
             auto(&self.host.index, "host.index")?,
             auto(&self.host.count, "host.count")?,
@@ -495,7 +497,7 @@ impl FileConfig {
         }
 
         let (cache_max_bytes, cache_max_share) =
-            crate::host::cache_budget(&self.cache.max_size, &self.cache.dir)?;
+            crate::config::host::cache_budget(&self.cache.max_size, &self.cache.dir)?;
         if !(0.0..=1.0).contains(&s.zero_copy_share) {
             return Err(invalid(format!(
                 "server.zero_copy_share {} is not a share of cache.max_size between 0 and 1",
@@ -650,7 +652,7 @@ fn validate_mix(
     }
     let sources: Vec<(String, u64)> = mix.into_iter().collect();
     let weights: Vec<u64> = sources.iter().map(|s| s.1).collect();
-    crate::mix::Mix::new(&weights, samples_per_epoch)
+    crate::plan::mix::Mix::new(&weights, samples_per_epoch)
         .map_err(|e| invalid(format!("dataset {name:?}: mix: {e}")))?;
     let mut schedule = Vec::new();
     let mut last = 0;
@@ -681,7 +683,7 @@ fn validate_mix(
                 entry.epoch
             )));
         }
-        crate::mix::Mix::new(&w, samples_per_epoch).map_err(|e| {
+        crate::plan::mix::Mix::new(&w, samples_per_epoch).map_err(|e| {
             invalid(format!(
                 "dataset {name:?}: schedule entry for epoch {}: {e}",
                 entry.epoch
@@ -798,12 +800,12 @@ fn check_endpoint(
     let Some(endpoint) = endpoint else {
         return Ok(());
     };
-    let url = url::Url::parse(endpoint)
+    let url = ::url::Url::parse(endpoint)
         .map_err(|e| invalid(format!("{section}.endpoint {endpoint:?} is not a URL: {e}")))?;
     let loopback = match url.host() {
-        Some(url::Host::Domain(d)) => d == "localhost",
-        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
-        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        Some(::url::Host::Domain(d)) => d == "localhost",
+        Some(::url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(::url::Host::Ipv6(ip)) => ip.is_loopback(),
         None => false,
     };
     if url.scheme() == "http" && !loopback && !allow_http {
@@ -1006,7 +1008,7 @@ mod tests {
     /// config.example.toml claims to show every default: hold it to that.
     #[test]
     fn example_config_shows_the_defaults() {
-        let text = include_str!("../config.example.toml");
+        let text = include_str!("../../config.example.toml");
         let mut example = Config::parse(text, Path::new("/etc/shardd")).unwrap();
         let defaults = Config::parse(
             "[datasets.train]\nshards = \"gs://bucket/imagenet/train-{000000..000639}.tar\"",

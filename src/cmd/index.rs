@@ -4,13 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::config::{DatasetSection, FileConfig};
+use crate::ops::metrics::Metrics;
+use crate::shard::manifest::{self, Manifest};
+use crate::store::{ReadError, Stores};
 use anyhow::Context;
-use shardd::config::{DatasetSection, FileConfig};
-use shardd::manifest::{self, Manifest};
-use shardd::metrics::Metrics;
-use shardd::store::{ReadError, Stores};
 
-use crate::progress::Progress;
+use crate::ops::progress::Progress;
 
 pub async fn run(
     patterns: Vec<String>,

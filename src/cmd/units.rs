@@ -12,11 +12,11 @@ use anyhow::Context;
 const UNITS: [(&str, &str); 2] = [
     (
         "shardd.service",
-        include_str!("../deploy/systemd/shardd.service"),
+        include_str!("../../deploy/systemd/shardd.service"),
     ),
     (
         "shardd.socket",
-        include_str!("../deploy/systemd/shardd.socket"),
+        include_str!("../../deploy/systemd/shardd.socket"),
     ),
 ];
 
@@ -47,7 +47,7 @@ pub fn install(dir: &Path, config: Option<&Path>) -> anyhow::Result<()> {
         .context("finding this binary's path")?;
     let dropins = match config {
         Some(path) => {
-            let parsed = shardd::config::Config::load(path)?;
+            let parsed = crate::config::Config::load(path)?;
             dropins(&parsed, path)?
         }
         None => Vec::new(),
@@ -117,7 +117,7 @@ pub struct Dropin {
 /// - `shardd.socket.d`: `[server] socket`, `socket_mode` or `socket_group` other than the
 ///   socket unit's. Under socket activation systemd makes the socket, so these keys only
 ///   take effect through the unit.
-pub fn dropins(config: &shardd::config::Config, source: &Path) -> anyhow::Result<Vec<Dropin>> {
+pub fn dropins(config: &crate::config::Config, source: &Path) -> anyhow::Result<Vec<Dropin>> {
     let header = format!(
         "# Written by `shardd install-units --config {}`; run it again after changing the config.\n",
         source.display()
@@ -225,7 +225,7 @@ fn unit_path<'a>(path: &'a Path, key: &str) -> anyhow::Result<&'a str> {
 }
 
 /// `shardd merge-config BASE OVERLAY... [-o OUT]`: the overlays' keys over the base's, table by
-/// table ([`shardd::config::merge_tables`]), validated as a config (offline) and written.
+/// table ([`crate::config::merge_tables`]), validated as a config (offline) and written.
 pub fn merge_config(
     base: &Path,
     overlays: &[PathBuf],
@@ -234,11 +234,11 @@ pub fn merge_config(
     let read = |path: &Path| -> anyhow::Result<toml::Table> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;
-        Ok(shardd::config::parse_table(&text, path)?)
+        Ok(crate::config::parse_table(&text, path)?)
     };
     let mut table = read(base)?;
     for overlay in overlays {
-        shardd::config::merge_tables(&mut table, read(overlay)?);
+        crate::config::merge_tables(&mut table, read(overlay)?);
     }
     let names: Vec<String> = std::iter::once(base)
         .chain(overlays.iter().map(PathBuf::as_path))
@@ -255,7 +255,7 @@ pub fn merge_config(
         .and_then(Path::parent)
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    shardd::config::Config::parse(&text, base_dir)
+    crate::config::Config::parse(&text, base_dir)
         .with_context(|| format!("the config merged from {} is invalid", names.join(" + ")))?;
     match output {
         Some(out) => {
@@ -325,9 +325,9 @@ mod tests {
             assert_eq!(meta.permissions().mode() & 0o777, 0o644);
         }
     }
-    fn config(extra: &str) -> shardd::config::Config {
+    fn config(extra: &str) -> crate::config::Config {
         let text = format!("{extra}\n[datasets.train]\nshards = \"/data/train-{{0..3}}.tar\"\n");
-        shardd::config::Config::parse(&text, Path::new("/etc/shardd")).unwrap()
+        crate::config::Config::parse(&text, Path::new("/etc/shardd")).unwrap()
     }
 
     fn dropin_texts(extra: &str) -> (Option<String>, Option<String>) {
@@ -470,7 +470,7 @@ mod tests {
         merge_config(&p("defaults.toml"), &[p("metadata.toml")], Some(&out)).unwrap();
         let text = std::fs::read_to_string(&out).unwrap();
         assert!(text.starts_with("# Written by `shardd merge-config "));
-        let c = shardd::config::Config::load(&out).unwrap();
+        let c = crate::config::Config::load(&out).unwrap();
         assert_eq!(c.cache_dir, PathBuf::from("/var/cache/shardd"));
         assert_eq!(c.metrics_addr, Some("127.0.0.1:9464".parse().unwrap()));
         // A relative shard path means the same next to the output as next to its source.

@@ -17,12 +17,12 @@ use tracing::Instrument;
 
 use crate::cache::FetchError;
 use crate::config::Config;
-use crate::metrics::Active;
+use crate::ops::metrics::Active;
 use crate::plan::{self, StreamRequest};
-use crate::prefetch::StreamId;
 use crate::protocol::{self, End, ErrorFrame, Kind, Request, Start};
-use crate::sink::Sink;
-use crate::stream::{self, StreamContext, StreamError};
+use crate::serve::prefetch::StreamId;
+use crate::serve::sink::Sink;
+use crate::serve::stream::{self, StreamContext, StreamError};
 
 /// How long shutdown waits for connections to say goodbye.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -37,7 +37,7 @@ pub struct Daemon {
     pub config: Config,
     pub streams: StreamContext,
     /// Open streams, for `/status`.
-    pub board: Arc<crate::status::Board>,
+    pub board: Arc<crate::serve::status::Board>,
 }
 
 pub async fn run(listener: UnixListener, daemon: Arc<Daemon>, shutdown: CancellationToken) {
@@ -199,7 +199,8 @@ async fn serve(
         }
     };
     // host.index = "from-clients": the daemon of the host this request's rank is on.
-    let bound = crate::host::bind(daemon, &req, peer).map_err(|r| refuse(r.code, r.message))?;
+    let bound =
+        crate::config::host::bind(daemon, &req, peer).map_err(|r| refuse(r.code, r.message))?;
     let daemon = &bound.daemon;
     let mut planned = plan_request(daemon, &req).await?;
     // Zero copy (protocol 5) is on unless the config turns it off.
@@ -373,8 +374,8 @@ async fn run_stream(
     );
     let mut sink = Sink::new();
     let maps = (req.zero_copy && planned.start.zero_copy == Some(true)).then(|| {
-        set_send_buffer(wr.as_ref(), crate::mapped::SEND_BUFFER);
-        crate::mapped::Maps::new(
+        set_send_buffer(wr.as_ref(), crate::serve::mapped::SEND_BUFFER);
+        crate::serve::mapped::Maps::new(
             config.zero_copy_maps,
             daemon.streams.metrics.zero_copy_maps.clone(),
             daemon.streams.map_budget.clone(),
@@ -415,11 +416,11 @@ async fn run_stream(
                 Some(maps) => maps.read_releases(rd).await,
                 None => {
                     client_gone(rd).await;
-                    crate::mapped::ReaderEnd::Left
+                    crate::serve::mapped::ReaderEnd::Left
                 }
             }
         } => {
-            if let crate::mapped::ReaderEnd::Violation(why) = end {
+            if let crate::serve::mapped::ReaderEnd::Violation(why) = end {
                 tracing::warn!(parent: span, "zero-copy client broke the protocol: {why}; closing its connection");
             }
             return Outcome::ClientLeft;
@@ -442,7 +443,7 @@ async fn run_stream(
 
 /// Counts and logs how a stream ended, and says what the client is still told.
 fn report(
-    metrics: &crate::metrics::Metrics,
+    metrics: &crate::ops::metrics::Metrics,
     dataset: &str,
     span: &tracing::Span,
     outcome: Outcome,
@@ -519,7 +520,7 @@ pub fn plan_sync(
     config: &Config,
     dataset: &str,
     req: StreamRequest,
-    resume_from: Option<&crate::elastic::Origin>,
+    resume_from: Option<&crate::plan::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, plan::PlanError> {
     match config.mixes.get(dataset) {
@@ -538,7 +539,7 @@ async fn plan_off_runtime(
     daemon: &Arc<Daemon>,
     dataset: &str,
     req: StreamRequest,
-    resume_from: Option<crate::elastic::Origin>,
+    resume_from: Option<crate::plan::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, plan::PlanError> {
     // An elastic resume costs up to elastic::MAX_STREAMS of work: two are planned at a time,
@@ -568,7 +569,7 @@ fn plan_dataset(
     config: &Config,
     name: &str,
     req: StreamRequest,
-    resume_from: Option<&crate::elastic::Origin>,
+    resume_from: Option<&crate::plan::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, plan::PlanError> {
     let d = &config.datasets[name];
@@ -580,7 +581,7 @@ fn plan_dataset(
             (vec![stream::Run::whole(plan)], samples, dropped, None)
         }
         Some(origin) => {
-            let e = crate::elastic::plan(shape, config.host, &req, origin)?;
+            let e = crate::plan::elastic::plan(shape, config.host, &req, origin)?;
             let runs = e
                 .segments
                 .iter()
@@ -626,12 +627,12 @@ fn plan_mix(
     config: &Config,
     m: &crate::config::MixDataset,
     req: StreamRequest,
-    resume_from: Option<&crate::elastic::Origin>,
+    resume_from: Option<&crate::plan::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, plan::PlanError> {
     let weights = m.weights(req.epoch);
     let e = m.samples_per_epoch;
-    let mix = crate::mix::Mix::new(&weights, e).expect("the config checked the mix");
+    let mix = crate::plan::mix::Mix::new(&weights, e).expect("the config checked the mix");
     let key = plan::stream_key(&req);
     let datasets: Vec<&crate::config::Dataset> = m
         .sources
@@ -654,7 +655,7 @@ fn plan_mix(
         None => {
             let lanes = (0..datasets.len())
                 .map(|i| {
-                    let source = crate::elastic::SourceOf {
+                    let source = crate::plan::elastic::SourceOf {
                         index: i as u32,
                         quota: mix.quotas()[i],
                     };
@@ -670,7 +671,8 @@ fn plan_mix(
             h.update(serde_json::to_vec(origin).expect("an origin serialises"));
             // The request's own topology first: the split divides by its world size.
             let local = plan::validate(config.host, &req)?;
-            let splits = crate::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
+            let splits =
+                crate::plan::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
             let stream = local * req.num_workers as usize + req.worker as usize;
             let lanes = splits
                 .iter()
@@ -701,7 +703,7 @@ fn plan_mix(
             let remainder = splits.iter().map(|s| s.remainder).sum();
             (
                 lanes,
-                crate::elastic::interleave(&lens),
+                crate::plan::elastic::interleave(&lens),
                 lens,
                 dropped,
                 Some(remainder),
@@ -761,7 +763,7 @@ fn source_plan(
     d: &crate::config::Dataset,
     host: plan::Topology,
     req: &StreamRequest,
-    source: Option<(crate::elastic::SourceOf, &crate::config::MixDataset)>,
+    source: Option<(crate::plan::elastic::SourceOf, &crate::config::MixDataset)>,
 ) -> Result<plan::StreamPlan, plan::PlanError> {
     let mut shape = d.shape();
     if let Some((s, m)) = source {
@@ -882,7 +884,7 @@ fn fingerprint(
     config: &Config,
     req: &StreamRequest,
     samples: Option<u64>,
-    resume_from: Option<&crate::elastic::Origin>,
+    resume_from: Option<&crate::plan::elastic::Origin>,
 ) -> String {
     use md5::Digest;
     let mut h = md5::Md5::new();

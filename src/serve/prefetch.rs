@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::evict::Foresight;
 use crate::cache::{Cache, Ensured, FetchError, Purpose};
-use crate::url::ShardUrl;
+use crate::config::url::ShardUrl;
 
 /// How long the schedule of an ended stream keeps guiding prefetch and eviction.
 pub const LINGER: Duration = Duration::from_secs(600);
@@ -382,7 +382,7 @@ mod tests {
         let names: Vec<String> = (0..12).map(|i| format!("s{i}")).collect();
         let pool = urls(&names.iter().map(String::as_str).collect::<Vec<_>>());
         let asked: Vec<&str> = pool.iter().map(ShardUrl::as_str).collect();
-        let mut rng = crate::shuffle::SplitMix64::new(7);
+        let mut rng = crate::plan::shuffle::SplitMix64::new(7);
         let mut handles: Vec<Option<ScheduleHandle>> = (0..6).map(|_| None).collect();
         let (mut opened, mut found) = (0, 0);
         for _ in 0..3000 {

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use prometheus::{IntCounter, IntGauge};
 
 use crate::cache::ShardBytes;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::shard::{self, Key, Sample, ShardError};
 
 /// The indexes of recently read shards, in a memory budget.

@@ -21,8 +21,8 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
-use crate::status::Board;
+use crate::ops::metrics::Metrics;
+use crate::serve::status::Board;
 
 /// Requests handled at once.
 pub const MAX_REQUESTS: usize = 32;

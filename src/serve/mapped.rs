@@ -35,8 +35,8 @@ use tokio::net::unix::OwnedReadHalf;
 
 use crate::cache::{Cache, ShardBytes};
 use crate::protocol::{self, BATCH_HEADER_LEN, HEADER_LEN, Kind, Part};
+use crate::serve::sink::SendError;
 use crate::shard::Sample;
-use crate::sink::SendError;
 
 /// Pieces of at least this many bytes are mapped; smaller ones (labels, JSON, keys) are
 /// cheaper inline, and stay `bytes` in the client.
@@ -287,7 +287,8 @@ impl Maps {
                 }) {
                     Ok(n) => done += n,
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        match crate::sink::until_stalled(sock, stall, sock.writable()).await {
+                        match crate::serve::sink::until_stalled(sock, stall, sock.writable()).await
+                        {
                             Ok(ready) => ready?,
                             Err(stalled) if done == 0 => {
                                 self.state.lock().unwrap().control.push_front((frame, fd));

@@ -2,16 +2,16 @@
 
 use std::sync::Arc;
 
+use crate::cache::{Ensured, FetchError};
+use crate::config::Config;
+use crate::ops::metrics::Metrics;
+use crate::serve::prefetch::{self, Plans};
 use anyhow::bail;
-use shardd::cache::{Ensured, FetchError};
-use shardd::config::Config;
-use shardd::metrics::Metrics;
-use shardd::prefetch::{self, Plans};
 
-use crate::progress::Progress;
+use crate::ops::progress::Progress;
 
 pub async fn run(mut config: Config, only: Option<String>) -> anyhow::Result<()> {
-    shardd::host::resolve(&mut config).await?;
+    crate::config::host::resolve(&mut config).await?;
     if let Some(name) = &only
         && !config.datasets.contains_key(name)
     {
@@ -21,7 +21,7 @@ pub async fn run(mut config: Config, only: Option<String>) -> anyhow::Result<()>
             known.join(", ")
         );
     }
-    let cache = shardd::daemon::open_cache(
+    let cache = crate::serve::daemon::open_cache(
         &config,
         Arc::new(Metrics::new()),
         Arc::new(Plans::default()),
@@ -32,7 +32,7 @@ pub async fn run(mut config: Config, only: Option<String>) -> anyhow::Result<()>
         if only.as_ref().is_some_and(|n| *n != dataset.name) {
             continue;
         }
-        let share: Vec<_> = shardd::plan::warm_shards(dataset.shape(), config.host)
+        let share: Vec<_> = crate::plan::warm_shards(dataset.shape(), config.host)
             .into_iter()
             .map(|i| dataset.shards[i].clone())
             .collect();

@@ -10,12 +10,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::{Cache, Limits, disk::OpenError};
 use crate::config::Config;
-use crate::metrics::Metrics;
-use crate::prefetch::{self, Plans};
-use crate::sample_index::SampleIndexes;
-use crate::server::{self, Daemon};
+use crate::ops::metrics::Metrics;
+use crate::serve::prefetch::{self, Plans};
+use crate::serve::server::{self, Daemon};
+use crate::serve::stream::StreamContext;
+use crate::shard::sample_index::SampleIndexes;
 use crate::store::{StoreError, Stores};
-use crate::stream::StreamContext;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -29,11 +29,11 @@ pub enum StartError {
     #[error(transparent)]
     Cache(#[from] OpenError),
     #[error(transparent)]
-    Host(#[from] crate::host::HostError),
+    Host(#[from] crate::config::host::HostError),
     #[error("dataset {dataset:?}: {source}")]
     Manifest {
         dataset: String,
-        source: crate::manifest::ManifestError,
+        source: crate::shard::manifest::ManifestError,
     },
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -48,8 +48,8 @@ pub enum StartError {
 
 /// Runs the daemon until `shutdown` is cancelled.
 pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
-    let notifier = crate::systemd::Notifier::from_env();
-    crate::host::resolve(&mut config).await?;
+    let notifier = crate::ops::systemd::Notifier::from_env();
+    crate::config::host::resolve(&mut config).await?;
     let metrics = Arc::new(Metrics::new());
     for name in config.datasets.keys() {
         metrics.init_dataset(name);
@@ -70,7 +70,7 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         None => None,
     };
     // A socket systemd passed (socket activation) is systemd's: used, never removed.
-    let (listener, guard) = match crate::systemd::activated_listener() {
+    let (listener, guard) = match crate::ops::systemd::activated_listener() {
         Ok(Some(l)) => (
             UnixListener::from_std(l).map_err(|source| StartError::Socket {
                 path: config.socket.clone(),
@@ -102,9 +102,9 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         hosts = config.host.count,
         "serving"
     );
-    let board = crate::status::Board::new(Arc::new(config.clone()), cache.clone());
+    let board = crate::serve::status::Board::new(Arc::new(config.clone()), cache.clone());
     let http_task = http.map(|l| {
-        tokio::spawn(crate::http::serve(
+        tokio::spawn(crate::serve::http::serve(
             l,
             metrics.clone(),
             board.clone(),
@@ -129,7 +129,7 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
     // The watchdog hears from a task on the same runtime the streams run on: if that
     // runtime wedges, systemd restarts the daemon.
     let watchdog = notifier.watchdog_interval().map(|every| {
-        let notifier = crate::systemd::Notifier::from_env();
+        let notifier = crate::ops::systemd::Notifier::from_env();
         tokio::spawn(async move {
             loop {
                 notifier.send("WATCHDOG=1");
@@ -145,7 +145,7 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
                 &metrics,
             )),
             plans,
-            map_budget: Arc::new(crate::mapped::MapBudget::new(
+            map_budget: Arc::new(crate::serve::mapped::MapBudget::new(
                 config.zero_copy_bytes,
                 metrics.zero_copy_mapped_bytes.clone(),
             )),
@@ -213,7 +213,7 @@ pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), 
             source,
         };
         let started = std::time::Instant::now();
-        let (manifest, at) = crate::manifest::load(stores, &source, &dataset.shards)
+        let (manifest, at) = crate::shard::manifest::load(stores, &source, &dataset.shards)
             .await
             .map_err(failed)?;
         let loaded = started.elapsed();
@@ -230,9 +230,11 @@ pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), 
             .into_iter()
             .map(|i| dataset.shards[i].clone())
             .collect();
-        crate::manifest::check_unchanged(stores, &manifest, &source, &share, &share_at, parallel)
-            .await
-            .map_err(failed)?;
+        crate::shard::manifest::check_unchanged(
+            stores, &manifest, &source, &share, &share_at, parallel,
+        )
+        .await
+        .map_err(failed)?;
         tracing::info!(
             dataset = %dataset.name,
             manifest = %source,

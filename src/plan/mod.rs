@@ -36,9 +36,13 @@
 //! In both modes every stream's samples are then shuffled in windows (`shuffle.rs`), which is
 //! what makes an exact resume cost one window.
 
+pub mod elastic;
+pub mod mix;
+pub mod shuffle;
+
 use std::sync::{Arc, OnceLock};
 
-use crate::shuffle::{self, SplitMix64, tag};
+use shuffle::{SplitMix64, tag};
 
 /// Where this host sits among the hosts of the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

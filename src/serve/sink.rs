@@ -362,7 +362,7 @@ mod tests {
 
     async fn roundtrip(mut sink: Sink) {
         let (a, mut b) = UnixStream::pair().unwrap();
-        let mut rng = crate::shuffle::SplitMix64::new(5);
+        let mut rng = crate::plan::shuffle::SplitMix64::new(5);
         let pool: Vec<u8> = (0..1 << 20)
             .flat_map(|_| rng.next_u64().to_le_bytes())
             .collect();

@@ -27,7 +27,7 @@ use std::time::Duration;
 use crate::config::{Config, ConfigError};
 use crate::plan::Topology;
 use crate::protocol::Request;
-use crate::server::Daemon;
+use crate::serve::server::Daemon;
 
 /// `host.index = "from-clients"`.
 pub const FROM_CLIENTS: &str = "from-clients";
@@ -345,7 +345,7 @@ fn as_host(daemon: &Daemon, host: Topology) -> Arc<Daemon> {
     let s = &daemon.streams;
     Arc::new(Daemon {
         config,
-        streams: crate::stream::StreamContext {
+        streams: crate::serve::stream::StreamContext {
             cache: s.cache.clone(),
             indexes: s.indexes.clone(),
             plans: s.plans.clone(),
@@ -387,7 +387,8 @@ async fn adopt(daemon: Arc<Daemon>, warm: Vec<String>) {
             continue;
         };
         let checked = async {
-            let (manifest, at) = crate::manifest::load(stores, &source, &dataset.shards).await?;
+            let (manifest, at) =
+                crate::shard::manifest::load(stores, &source, &dataset.shards).await?;
             let share = crate::plan::warm_shards(dataset.shape(), config.host);
             let share_at: Vec<usize> = share.iter().map(|&i| at[i]).collect();
             stores.know_crc32c(share_at.iter().map(|&i| {
@@ -395,7 +396,7 @@ async fn adopt(daemon: Arc<Daemon>, warm: Vec<String>) {
                 (e.url.as_str(), &e.version, e.crc32c)
             }));
             let urls: Vec<_> = share.iter().map(|&i| dataset.shards[i].clone()).collect();
-            crate::manifest::check_unchanged(
+            crate::shard::manifest::check_unchanged(
                 stores,
                 &manifest,
                 &source,
@@ -404,7 +405,7 @@ async fn adopt(daemon: Arc<Daemon>, warm: Vec<String>) {
                 config.max_downloads,
             )
             .await?;
-            Ok::<usize, crate::manifest::ManifestError>(urls.len())
+            Ok::<usize, crate::shard::manifest::ManifestError>(urls.len())
         };
         match checked.await {
             Ok(n) => tracing::info!(
@@ -430,12 +431,13 @@ async fn adopt(daemon: Arc<Daemon>, warm: Vec<String>) {
             .map(|i| dataset.shards[i].clone())
             .collect();
         let (mut loaded, mut failed) = (0u64, 0usize);
-        let complete = crate::prefetch::warm(cache, &share, config.max_downloads, |r| match r {
-            Ok(crate::cache::Ensured::Loaded(n)) => loaded += n,
-            Ok(_) => {}
-            Err(_) => failed += 1,
-        })
-        .await;
+        let complete =
+            crate::serve::prefetch::warm(cache, &share, config.max_downloads, |r| match r {
+                Ok(crate::cache::Ensured::Loaded(n)) => loaded += n,
+                Ok(_) => {}
+                Err(_) => failed += 1,
+            })
+            .await;
         tracing::info!(
             dataset = %name,
             host = config.host.index,

@@ -13,8 +13,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::client;
 use crate::config::Config;
+use crate::plan::shuffle::SplitMix64;
 use crate::protocol::{ReceivedSample, Request};
-use crate::shuffle::SplitMix64;
 
 const SHARDS: usize = 16;
 const SAMPLES_PER_SHARD: usize = 250;
@@ -96,7 +96,7 @@ pub async fn run() -> anyhow::Result<()> {
     );
 
     let shutdown = CancellationToken::new();
-    let daemon = tokio::spawn(crate::daemon::run(config, shutdown.clone()));
+    let daemon = tokio::spawn(crate::serve::daemon::run(config, shutdown.clone()));
     let result = read_and_verify(&socket).await;
     shutdown.cancel();
     daemon.await?.context("daemon")?;

@@ -8,6 +8,9 @@
 //!
 //! Field data are slices of the shard's bytes ([`ShardBytes`]): nothing is copied.
 
+pub mod manifest;
+pub mod sample_index;
+
 use std::borrow::Cow;
 use std::io;
 use std::sync::Arc;

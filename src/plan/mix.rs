@@ -40,7 +40,7 @@
 //! **Labels.** Position t goes left at the root iff c(t+1) − c(t) = 1; in the child it is step
 //! c(t) (left) or t − c(t) (right), and so on to a leaf. Counts descend the same way.
 
-use crate::shuffle::{SplitMix64, key, tag};
+use crate::plan::shuffle::{SplitMix64, key, tag};
 
 /// Steps between pins: a resume replays at most this many steps per node.
 pub const BLOCK: u64 = 1 << BLOCK_SHIFT;

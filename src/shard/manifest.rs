@@ -1,6 +1,6 @@
 //! A dataset's manifest: every shard's URL, size, ETag/generation, CRC-32C and sample count,
 //! made by `shardd index`. With it the plan works in samples, not shards (exact, equal
-//! epochs; `plan.rs`), so the daemon checks at start that the manifest still describes the
+//! epochs; `plan/mod.rs`), so the daemon checks at start that the manifest still describes the
 //! configured shards exactly: the same URLs, and for the shards of its host's share, the sizes
 //! and ETags the store reports now.
 
@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::cache::ShardBytes;
 use crate::cache::decompress::Compression;
+use crate::config::url::ShardUrl;
 use crate::store::{ReadError, Stores, Version};
-use crate::url::ShardUrl;
 
 const FORMAT: u32 = 1;
 

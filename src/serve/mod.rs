@@ -1,0 +1,10 @@
+//! Serving: the daemon's wiring, the socket, a stream per connection and what feeds it.
+
+pub mod daemon;
+pub mod http;
+pub mod mapped;
+pub mod prefetch;
+pub mod server;
+pub mod sink;
+pub mod status;
+pub mod stream;
