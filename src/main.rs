@@ -172,8 +172,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve { config } => {
             let config = Config::load(&config)?;
-            tracing::info!("{}", shardd::config::host::budget_line(&config));
-            for w in shardd::config::host::space_warnings(&config) {
+            tracing::info!("{}", shardd::config::space::budget_line(&config));
+            for w in shardd::config::space::space_warnings(&config) {
                 tracing::warn!("{w}");
             }
             runtime.block_on(serve(config))
@@ -251,7 +251,7 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
     let config = Config::load(path)?;
     let stores = shardd::store::Stores::from_config(&config, Default::default())?;
     println!("{}: ok", path.display());
-    for w in shardd::config::host::space_warnings(&config) {
+    for w in shardd::config::space::space_warnings(&config) {
         println!("warning: {w}");
     }
     if reach_stores {

@@ -1,7 +1,7 @@
 //! Whole REQUEST bodies (JSON, as a client sends them) planned against a fixed config: a
 //! shard-level dataset, two with manifests (one with `samples_per_epoch`), a resampled one, a
 //! mix of three with a curriculum and a mix of two, as one host and as host 1 of 2. Planning
-//! is `server::plan_sync`, what the daemon runs on its blocking pool for every request it
+//! is `plan::request::plan`, what the daemon runs on its blocking pool for every request it
 //! accepts, with any `resume_from` origin chain (elastic resume) a client can write.
 //!
 //! Properties: planning returns a plan or an error, never panics, and costs bounded memory
@@ -20,14 +20,14 @@ use std::time::Instant;
 use libfuzzer_sys::fuzz_target;
 use shardd::config::Config;
 use shardd::plan::StreamRequest;
+use shardd::plan::request;
 use shardd::protocol::{MAX_CLIENT_FRAME, Request};
-use shardd::serve::server;
 
 /// Live bytes a plan may peak at: a plan costs the shard count and the streams of the
 /// request, bounded by `elastic::MAX_STREAMS`, never what its numbers say. The worst measured
 /// (this config, 2026-11-25) are elastic resumes at that bound: 92-100 MB for one new stream
-/// resuming 2^18 - 1 old ones (seeds `bound-origin`, `bound-mix`), 178 MB when each old
-/// stream was a host of its own (fuzz/README.md, open findings). 512 MiB leaves ~3x.
+/// resuming 2^18 - 1 old ones (seeds `bound-origin`, `bound-mix`), 200 MB when each old
+/// stream was a host of its own (`bound-old-hosts`). 512 MiB leaves ~2.5x.
 const MAX_PEAK: usize = 512 << 20;
 
 const CONFIG: &str = r#"
@@ -108,7 +108,7 @@ fuzz_target!(|data: &[u8]| {
     for config in CONFIGS.iter() {
         let started = Instant::now();
         let (peak, planned) = peak_of(|| {
-            server::plan_sync(
+            request::plan(
                 config,
                 &req.dataset,
                 stream,

@@ -102,7 +102,7 @@ pub struct HostReport {
     pub share_bytes: Option<u64>,
     /// What its ranks × workers streams hold at once: `working_set.min_budget` is the least
     /// cache.max_size that serves them. None without a manifest.
-    pub working_set: Option<crate::config::host::WorkingSet>,
+    pub working_set: Option<crate::config::space::WorkingSet>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -262,7 +262,7 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
         streams_per_host: args.ranks as u64 * args.workers as u64,
         shuffle_buffer: dataset.shuffle_buffer as u64,
         zero_copy_maps: config.zero_copy_maps as u64,
-        zero_copy_share: crate::config::host::zero_copy_share(&config),
+        zero_copy_share: crate::config::space::zero_copy_share(&config),
         cache_max_bytes: config
             .cache_max_share
             .is_none()
@@ -308,7 +308,7 @@ pub fn size(r: &mut Report, shape: Shape, sizes: Option<&[u64]>, sizing: Sizing)
             let share = plan::warm_shards(shape, topo);
             let bytes: u64 = share.iter().map(|&i| sizes[i]).sum();
             let samples: u64 = share.iter().map(|&i| counts[i]).sum();
-            let ws = crate::config::host::working_set(
+            let ws = crate::config::space::working_set(
                 sizing.streams_per_host,
                 sizing.shuffle_buffer,
                 share.len() as u64,
@@ -381,9 +381,9 @@ pub async fn check_working_set(
     let samples: u64 = at.iter().map(|&i| manifest.shards[i].samples).sum();
     let (maps, share) = (
         config.zero_copy_maps as u64,
-        crate::config::host::zero_copy_share(config),
+        crate::config::space::zero_copy_share(config),
     );
-    let one = crate::config::host::working_set(
+    let one = crate::config::space::working_set(
         1,
         d.shuffle_buffer as u64,
         d.shards.len() as u64,
@@ -393,7 +393,7 @@ pub async fn check_working_set(
         share,
     );
     let max = config.cache_max_bytes;
-    let fits = crate::config::host::streams_that_fit(max, &one, maps, share);
+    let fits = crate::config::space::streams_that_fit(max, &one, maps, share);
     let line = format!(
         "dataset {name}: a stream holds {} shards ({} of its shuffle window of {} samples, + 2) of {} bytes on average: {} bytes, {} with zero copy's maps; cache.max_size ({max} bytes) holds {fits} streams at once (shardd plan sizes a whole job)",
         one.stream_shards,
@@ -602,7 +602,7 @@ fn host_fetch(
                 plan::plan_stream(shape, seg.host, &seg.req).expect("planned before")
             })
             .clone();
-        let run = crate::serve::stream::Run {
+        let run = crate::plan::request::Run {
             plan,
             from: seg.from,
             to: Some(seg.to),

@@ -5,6 +5,7 @@
 
 pub mod braces;
 pub mod host;
+pub mod space;
 pub mod url;
 
 use std::collections::BTreeMap;
@@ -14,9 +15,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::config::url::{ShardUrl, UrlError};
-use crate::plan::Shape;
 /// The plan owns the topology type; the config fills it in (`[host]`).
-pub use crate::plan::Topology;
+pub use host::Topology;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -256,12 +256,12 @@ pub struct Config {
     /// [`crate::config::host::resolve`] has found it.
     pub host: Topology,
     pub host_auto: HostAuto,
-    /// `host.index = "from-clients"`: the host learned from the streams (shared by every
-    /// copy of this config).
-    pub host_learned: std::sync::Arc<crate::config::host::Learned>,
+    /// `host.index = "from-clients"`: the datasets with `warm = true`, warmed once the first
+    /// stream says which host this is ([`crate::serve::learned_host`]).
+    pub deferred_warm: Vec<String>,
     pub cache_dir: PathBuf,
     /// `cache.max_size`: a size, or (`"auto"`, `"N%"`) a share of the cache file system's
-    /// free space found when the config is read (`host::cache_budget`).
+    /// free space found when the config is read (`space::cache_budget`).
     pub cache_max_bytes: u64,
     /// The share of the free space when `cache.max_size` is `"auto"` or `"N%"`.
     pub cache_max_share: Option<f64>,
@@ -289,7 +289,8 @@ pub struct Config {
 }
 
 /// A weighted mix of datasets of the same config: every stream interleaves its sources so
-/// that each prefix holds them in proportion (`mix.rs`), and reads each as its own stream.
+/// that each prefix holds them in proportion (`plan/mix.rs`, which also computes its weights,
+/// quotas and where each epoch starts), and reads each as its own stream.
 #[derive(Debug, Clone)]
 pub struct MixDataset {
     pub name: String,
@@ -299,42 +300,6 @@ pub struct MixDataset {
     pub samples_per_epoch: u64,
     /// A curriculum: (first epoch, weights in `sources` order), epochs increasing.
     pub schedule: Vec<(u64, Vec<u64>)>,
-}
-
-impl MixDataset {
-    /// The weights of `epoch`.
-    pub fn weights(&self, epoch: u64) -> Vec<u64> {
-        match self.schedule.iter().rev().find(|(from, _)| *from <= epoch) {
-            Some((_, w)) => w.clone(),
-            None => self.sources.iter().map(|s| s.1).collect(),
-        }
-    }
-
-    /// Each source's quota in `epoch`.
-    pub fn quotas(&self, epoch: u64) -> Vec<u64> {
-        crate::plan::mix::quotas(&self.weights(epoch), self.samples_per_epoch)
-            .expect("the config checked the weights")
-    }
-
-    /// Where source `i`'s streams start `epoch` in its host's endless sequence, over the
-    /// streams of every epoch before (`streams` per host each): with a curriculum each
-    /// source continues where the earlier weights left it.
-    pub fn epoch_base(&self, i: usize, epoch: u64, streams: u128) -> Option<u128> {
-        let mut bounds: Vec<u64> = self.schedule.iter().map(|(e, _)| *e).collect();
-        bounds.retain(|&e| e < epoch);
-        let mut at = 0u128;
-        let mut from = 0u64;
-        for to in bounds.into_iter().chain(std::iter::once(epoch)) {
-            let quota = self.quotas(from)[i] as u128;
-            at = at.checked_add(
-                ((to - from) as u128)
-                    .checked_mul(quota)?
-                    .checked_mul(streams)?,
-            )?;
-            from = to;
-        }
-        Some(at)
-    }
 }
 
 /// How a download is checked against its source (`store.verify`).
@@ -382,7 +347,7 @@ pub struct Dataset {
     /// MD5 of the shard list and the counts: what the data is, for plan fingerprints.
     identity: [u8; 16],
     /// What its plans share (`plan::ShareCache`); new when the counts are set.
-    share: std::sync::Arc<crate::plan::ShareCache>,
+    pub(crate) share: std::sync::Arc<crate::plan::ShareCache>,
 }
 
 impl Dataset {
@@ -394,19 +359,6 @@ impl Dataset {
 
     pub fn identity(&self) -> [u8; 16] {
         self.identity
-    }
-
-    /// What the plan needs to know about this dataset.
-    pub fn shape(&self) -> Shape<'_> {
-        Shape {
-            num_shards: self.shards.len(),
-            counts: self.counts.as_deref(),
-            share_seed: self.share_seed,
-            samples_per_epoch: self.samples_per_epoch,
-            resampled: self.resampled,
-            epoch_base: None,
-            share: Some(&self.share),
-        }
     }
 }
 
@@ -497,7 +449,7 @@ impl FileConfig {
         }
 
         let (cache_max_bytes, cache_max_share) =
-            crate::config::host::cache_budget(&self.cache.max_size, &self.cache.dir)?;
+            crate::config::space::cache_budget(&self.cache.max_size, &self.cache.dir)?;
         if !(0.0..=1.0).contains(&s.zero_copy_share) {
             return Err(invalid(format!(
                 "server.zero_copy_share {} is not a share of cache.max_size between 0 and 1",
@@ -582,7 +534,7 @@ impl FileConfig {
             zero_copy_share: s.zero_copy_share,
             host,
             host_auto,
-            host_learned: Default::default(),
+            deferred_warm: Vec::new(),
             cache_dir: self.cache.dir,
             cache_max_bytes,
             cache_max_share,

@@ -38,31 +38,27 @@
 
 pub mod elastic;
 pub mod mix;
+pub mod request;
 pub mod shuffle;
 
 use std::sync::{Arc, OnceLock};
 
 use shuffle::{SplitMix64, tag};
 
-/// Where this host sits among the hosts of the job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Topology {
-    pub index: u32,
-    pub count: u32,
-}
+pub use crate::config::host::Topology;
 
-impl Topology {
-    pub fn check(&self) -> Result<(), String> {
-        if self.count == 0 {
-            return Err("host.count must be at least 1".into());
+impl crate::config::Dataset {
+    /// What the plan needs to know about this dataset.
+    pub fn shape(&self) -> Shape<'_> {
+        Shape {
+            num_shards: self.shards.len(),
+            counts: self.counts.as_deref(),
+            share_seed: self.share_seed,
+            samples_per_epoch: self.samples_per_epoch,
+            resampled: self.resampled,
+            epoch_base: None,
+            share: Some(&self.share),
         }
-        if self.index >= self.count {
-            return Err(format!(
-                "host.index {} must be less than host.count {}",
-                self.index, self.count
-            ));
-        }
-        Ok(())
     }
 }
 

@@ -102,7 +102,11 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
         hosts = config.host.count,
         "serving"
     );
-    let board = crate::serve::status::Board::new(Arc::new(config.clone()), cache.clone());
+    let learned = Arc::new(crate::serve::learned_host::Learned::new(
+        config.deferred_warm.clone(),
+    ));
+    let board =
+        crate::serve::status::Board::new(Arc::new(config.clone()), cache.clone(), learned.clone());
     let http_task = http.map(|l| {
         tokio::spawn(crate::serve::http::serve(
             l,
@@ -153,6 +157,7 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
             stall_timeout: config.stall_timeout,
         },
         board,
+        learned,
         config,
     });
     server::run(listener, daemon, shutdown).await;

@@ -2,6 +2,7 @@
 
 pub mod daemon;
 pub mod http;
+pub mod learned_host;
 pub mod mapped;
 pub mod prefetch;
 pub mod server;

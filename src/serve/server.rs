@@ -38,6 +38,8 @@ pub struct Daemon {
     pub streams: StreamContext,
     /// Open streams, for `/status`.
     pub board: Arc<crate::serve::status::Board>,
+    /// `host.index = "from-clients"`: the host learned from the streams.
+    pub learned: Arc<crate::serve::learned_host::Learned>,
 }
 
 pub async fn run(listener: UnixListener, daemon: Arc<Daemon>, shutdown: CancellationToken) {
@@ -199,8 +201,8 @@ async fn serve(
         }
     };
     // host.index = "from-clients": the daemon of the host this request's rank is on.
-    let bound =
-        crate::config::host::bind(daemon, &req, peer).map_err(|r| refuse(r.code, r.message))?;
+    let bound = crate::serve::learned_host::bind(daemon, &req, peer)
+        .map_err(|r| refuse(r.code, r.message))?;
     let daemon = &bound.daemon;
     let mut planned = plan_request(daemon, &req).await?;
     // Zero copy (protocol 5) is on unless the config turns it off.
@@ -241,18 +243,10 @@ async fn serve(
 
 /// An accepted request: its plan and the START frame that says so.
 struct Planned {
-    lanes: Vec<PlannedLane>,
-    mix: Option<stream::Interleave>,
+    lanes: Vec<crate::plan::request::Lane>,
+    mix: Option<crate::plan::request::Interleave>,
     tag_sources: bool,
     start: Start,
-}
-
-/// What a stream reads of one dataset (of a mix's sources, one of them).
-struct PlannedLane {
-    dataset: String,
-    runs: Vec<stream::Run>,
-    /// Shards the same stream reads of it next epoch, for the prefetcher.
-    next_epoch: Vec<usize>,
 }
 
 /// Checks a request against the config and plans it; a refusal names what is wrong.
@@ -311,7 +305,17 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
         dropped: planned.dropped,
         fingerprint: planned.fingerprint.clone(),
         remainder: planned.remainder,
-        sources: planned.sources.clone(),
+        sources: planned.sources.as_ref().map(|sources| {
+            sources
+                .iter()
+                .map(|s| protocol::SourceStart {
+                    dataset: s.dataset.clone(),
+                    weight: s.weight,
+                    samples: s.samples,
+                    pass: s.pass,
+                })
+                .collect()
+        }),
         zero_copy: None,
     };
     Ok(Planned {
@@ -500,35 +504,6 @@ fn report(
     }
 }
 
-/// What planning a request gives.
-pub struct Plan {
-    lanes: Vec<PlannedLane>,
-    mix: Option<stream::Interleave>,
-    samples: Option<u64>,
-    dropped: u64,
-    remainder: Option<u64>,
-    sources: Option<Vec<protocol::SourceStart>>,
-    fingerprint: String,
-    /// Samples say which dataset they are of (a mix's).
-    tag_sources: bool,
-}
-
-/// The planning of a request, without the runtime: what `plan_off_runtime` runs on the
-/// blocking pool; public for the fuzz target and its replay (`fuzz/fuzz_targets/request.rs`).
-/// `dataset` must be one of the config's datasets or mixes.
-pub fn plan_sync(
-    config: &Config,
-    dataset: &str,
-    req: StreamRequest,
-    resume_from: Option<&crate::plan::elastic::Origin>,
-    with_next: bool,
-) -> Result<Plan, plan::PlanError> {
-    match config.mixes.get(dataset) {
-        Some(mix) => plan_mix(config, mix, req, resume_from, with_next),
-        None => plan_dataset(config, dataset, req, resume_from, with_next),
-    }
-}
-
 /// Plans the stream's epoch (or, with `resume_from`, the rest of it after a checkpoint at
 /// another topology: runs of the old streams; for a mix, each source's stream) and, for the
 /// prefetcher, the shards of the same stream's next epoch (none past the last epoch or when
@@ -541,7 +516,7 @@ async fn plan_off_runtime(
     req: StreamRequest,
     resume_from: Option<crate::plan::elastic::Origin>,
     with_next: bool,
-) -> Result<Plan, plan::PlanError> {
+) -> Result<crate::plan::request::Plan, plan::PlanError> {
     // An elastic resume costs up to elastic::MAX_STREAMS of work: two are planned at a time,
     // so that many at once (a job's every stream resuming, or a hostile client) cannot add up.
     static ELASTIC_PLANS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
@@ -552,7 +527,7 @@ async fn plan_off_runtime(
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
     let work = move || {
-        plan_sync(
+        crate::plan::request::plan(
             &daemon.config,
             &dataset,
             req,
@@ -563,240 +538,6 @@ async fn plan_off_runtime(
     tokio::task::spawn_blocking(work)
         .await
         .expect("planning does not panic")
-}
-
-fn plan_dataset(
-    config: &Config,
-    name: &str,
-    req: StreamRequest,
-    resume_from: Option<&crate::plan::elastic::Origin>,
-    with_next: bool,
-) -> Result<Plan, plan::PlanError> {
-    let d = &config.datasets[name];
-    let shape = d.shape();
-    let (runs, samples, dropped, remainder) = match resume_from {
-        None => {
-            let plan = plan::plan_stream(shape, config.host, &req)?;
-            let (samples, dropped) = (plan.samples, plan.dropped);
-            (vec![stream::Run::whole(plan)], samples, dropped, None)
-        }
-        Some(origin) => {
-            let e = crate::plan::elastic::plan(shape, config.host, &req, origin)?;
-            let runs = e
-                .segments
-                .iter()
-                .map(|s| {
-                    Ok(stream::Run {
-                        plan: source_plan(d, s.host, &s.req, None)?,
-                        from: s.from,
-                        to: Some(s.to),
-                    })
-                })
-                .collect::<Result<_, plan::PlanError>>()?;
-            (runs, Some(e.samples), e.dropped, Some(e.remainder))
-        }
-    };
-    // An elastic epoch's workers may differ by a sample; its origin fixes them all.
-    let fingerprint = fingerprint(
-        d,
-        config,
-        &req,
-        samples.filter(|_| resume_from.is_none()),
-        resume_from,
-    );
-    Ok(Plan {
-        lanes: vec![PlannedLane {
-            dataset: name.to_owned(),
-            runs,
-            next_epoch: next_epoch(config, shape, req, with_next),
-        }],
-        mix: None,
-        samples,
-        dropped,
-        remainder,
-        sources: None,
-        fingerprint,
-        tag_sources: false,
-    })
-}
-
-/// A mix's stream: each source's own stream of its quota (`samples_per_epoch` = the quota,
-/// keyed apart), interleaved by the mix's order keyed (seed, epoch, stream). After an elastic
-/// resume: each source's rest (`elastic::split_mix`), interleaved by what is left of each.
-fn plan_mix(
-    config: &Config,
-    m: &crate::config::MixDataset,
-    req: StreamRequest,
-    resume_from: Option<&crate::plan::elastic::Origin>,
-    with_next: bool,
-) -> Result<Plan, plan::PlanError> {
-    let weights = m.weights(req.epoch);
-    let e = m.samples_per_epoch;
-    let mix = crate::plan::mix::Mix::new(&weights, e).expect("the config checked the mix");
-    let key = plan::stream_key(&req);
-    let datasets: Vec<&crate::config::Dataset> = m
-        .sources
-        .iter()
-        .map(|(name, _)| &config.datasets[name])
-        .collect();
-    use md5::Digest;
-    let mut h = md5::Md5::new();
-    for (i, (d, (&quota, weight))) in datasets
-        .iter()
-        .zip(mix.quotas().iter().zip(&weights))
-        .enumerate()
-    {
-        h.update(fingerprint(d, config, &req, Some(quota), None));
-        h.update(weight.to_le_bytes());
-        let base = m.epoch_base(i, req.epoch, streams_per_host(config.host, &req));
-        h.update(base.unwrap_or(u128::MAX).to_le_bytes());
-    }
-    let (lanes, interleave, lens, dropped, remainder) = match resume_from {
-        None => {
-            let lanes = (0..datasets.len())
-                .map(|i| {
-                    let source = crate::plan::elastic::SourceOf {
-                        index: i as u32,
-                        quota: mix.quotas()[i],
-                    };
-                    let plan = source_plan(datasets[i], config.host, &req, Some((source, m)))?;
-                    Ok(vec![stream::Run::whole(plan)])
-                })
-                .collect::<Result<Vec<_>, plan::PlanError>>()?;
-            let lens = mix.quotas().to_vec();
-            let live = (0..datasets.len()).collect();
-            (lanes, Some((mix.clone(), live)), lens, 0, None)
-        }
-        Some(origin) => {
-            h.update(serde_json::to_vec(origin).expect("an origin serialises"));
-            // The request's own topology first: the split divides by its world size.
-            let local = plan::validate(config.host, &req)?;
-            let splits =
-                crate::plan::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
-            let stream = local * req.num_workers as usize + req.worker as usize;
-            let lanes = splits
-                .iter()
-                .zip(&datasets)
-                .map(|(split, d)| {
-                    split.hosts[config.host.index as usize][stream]
-                        .iter()
-                        .map(|seg| {
-                            Ok(stream::Run {
-                                plan: source_plan(
-                                    d,
-                                    seg.host,
-                                    &seg.req,
-                                    seg.source.map(|s| (s, m)),
-                                )?,
-                                from: seg.from,
-                                to: Some(seg.to),
-                            })
-                        })
-                        .collect::<Result<Vec<_>, plan::PlanError>>()
-                })
-                .collect::<Result<Vec<_>, plan::PlanError>>()?;
-            let lens: Vec<u64> = splits
-                .iter()
-                .map(|s| s.lengths[req.worker as usize])
-                .collect();
-            let dropped = splits.iter().map(|s| s.dropped).sum();
-            let remainder = splits.iter().map(|s| s.remainder).sum();
-            (
-                lanes,
-                crate::plan::elastic::interleave(&lens),
-                lens,
-                dropped,
-                Some(remainder),
-            )
-        }
-    };
-    // The lanes an interleave ranges over, in its order; one lane when only one source is
-    // left (or none: an empty stream).
-    let order: Vec<usize> = match &interleave {
-        Some((_, live)) => live.clone(),
-        None => vec![lens.iter().position(|&n| n > 0).unwrap_or(0)],
-    };
-    let mut sources = Vec::new();
-    let mut planned = Vec::new();
-    for (i, runs) in lanes.into_iter().enumerate() {
-        let d = datasets[i];
-        sources.push(protocol::SourceStart {
-            dataset: d.name.clone(),
-            weight: weights[i],
-            samples: lens[i],
-            pass: runs.first().map_or(0, |r| r.plan.pass),
-        });
-        if order.contains(&i) {
-            let next = req.epoch.saturating_add(1);
-            let shape = plan::Shape {
-                samples_per_epoch: Some(m.quotas(next)[i]),
-                epoch_base: m.epoch_base(i, next, streams_per_host(config.host, &req)),
-                ..d.shape()
-            };
-            planned.push(PlannedLane {
-                dataset: d.name.clone(),
-                runs,
-                next_epoch: next_epoch(config, shape, req, with_next),
-            });
-        }
-    }
-    Ok(Plan {
-        lanes: planned,
-        mix: interleave.map(|(mix, _)| stream::Interleave { mix, key }),
-        samples: Some(lens.iter().sum()),
-        dropped,
-        remainder,
-        sources: Some(sources),
-        fingerprint: hex::encode(&h.finalize()[..8]),
-        tag_sources: true,
-    })
-}
-
-fn streams_per_host(host: plan::Topology, req: &StreamRequest) -> u128 {
-    (req.world_size / host.count) as u128 * req.num_workers as u128
-}
-
-/// A base stream's plan of dataset `d`, or of a mix's source (its quota as
-/// `samples_per_epoch`, starting where the source's earlier epochs left it, its shuffle keyed
-/// apart from the other sources').
-fn source_plan(
-    d: &crate::config::Dataset,
-    host: plan::Topology,
-    req: &StreamRequest,
-    source: Option<(crate::plan::elastic::SourceOf, &crate::config::MixDataset)>,
-) -> Result<plan::StreamPlan, plan::PlanError> {
-    let mut shape = d.shape();
-    if let Some((s, m)) = source {
-        shape.samples_per_epoch = Some(s.quota);
-        shape.epoch_base = m.epoch_base(s.index as usize, req.epoch, streams_per_host(host, req));
-        if shape.epoch_base.is_none() {
-            return Err(plan::PlanError::EpochTooLarge { epoch: req.epoch });
-        }
-    }
-    let mut plan = plan::plan_stream(shape, host, req)?;
-    if let Some((s, _)) = source {
-        plan.stream_key = plan::source_key(plan.stream_key, s.index);
-    }
-    Ok(plan)
-}
-
-/// The shards the same stream reads next epoch (none past the last epoch, or when it cannot
-/// be planned, or for a plan request).
-fn next_epoch(
-    config: &Config,
-    shape: plan::Shape,
-    req: StreamRequest,
-    with_next: bool,
-) -> Vec<usize> {
-    req.epoch
-        .checked_add(1)
-        .filter(|_| with_next)
-        .and_then(|epoch| {
-            let next = StreamRequest { epoch, ..req };
-            plan::plan_stream(shape, config.host, &next).ok()
-        })
-        .map(|p| p.shards().collect())
-        .unwrap_or_default()
 }
 
 /// Reads the client's preamble and REQUEST, answering with ours in between.
@@ -874,42 +615,6 @@ async fn handshake(
         ));
     }
     Ok(req)
-}
-
-/// Identifies an epoch's plan for every rank of a job: the data (shard list and manifest
-/// counts, hashed once per dataset), the topology, the seed, the epoch and the stream length, hashed. Excludes the
-/// rank, the worker and this host's index, so all ranks of one job agree on it.
-fn fingerprint(
-    dataset: &crate::config::Dataset,
-    config: &Config,
-    req: &StreamRequest,
-    samples: Option<u64>,
-    resume_from: Option<&crate::plan::elastic::Origin>,
-) -> String {
-    use md5::Digest;
-    let mut h = md5::Md5::new();
-    h.update(dataset.identity());
-    for word in [
-        config.host.count as u64,
-        req.world_size as u64,
-        req.num_workers as u64,
-        req.seed,
-        req.epoch,
-        dataset.share_seed,
-        dataset.shuffle_buffer as u64,
-        dataset.samples_per_epoch.unwrap_or(0),
-        samples.unwrap_or(u64::MAX),
-    ] {
-        h.update(word.to_le_bytes());
-    }
-    if dataset.resampled {
-        h.update(b"resampled");
-    }
-    if let Some(origin) = resume_from {
-        // An elastic resume's plan is the old checkpoint's too.
-        h.update(serde_json::to_vec(origin).expect("an origin serialises"));
-    }
-    hex::encode(&h.finalize()[..8])
 }
 
 /// Resolves when the client closes its side or sends anything after its request (which

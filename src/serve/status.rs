@@ -18,6 +18,7 @@ const READY_FOR: Duration = Duration::from_secs(5);
 pub struct Board {
     config: Arc<Config>,
     cache: Cache,
+    learned: Arc<crate::serve::learned_host::Learned>,
     streams: Mutex<BTreeMap<u64, Arc<Live>>>,
     next_id: AtomicU64,
     ready: tokio::sync::Mutex<Option<(Instant, Result<(), String>)>>,
@@ -113,10 +114,15 @@ pub struct Status {
 }
 
 impl Board {
-    pub fn new(config: Arc<Config>, cache: Cache) -> Arc<Board> {
+    pub fn new(
+        config: Arc<Config>,
+        cache: Cache,
+        learned: Arc<crate::serve::learned_host::Learned>,
+    ) -> Arc<Board> {
         Arc::new(Board {
             config,
             cache,
+            learned,
             streams: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(0),
             ready: tokio::sync::Mutex::new(None),
@@ -156,7 +162,7 @@ impl Board {
 
     pub fn status(&self, uptime: Duration) -> Status {
         let streams = self.streams.lock().unwrap();
-        let host = crate::config::host::current(&self.config);
+        let host = crate::serve::learned_host::current(&self.config, &self.learned);
         Status {
             version: env!("CARGO_PKG_VERSION").into(),
             host_index: host.index,

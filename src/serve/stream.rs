@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
+
+use crate::plan::request::Run;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::cache::{Cache, FetchError, ShardBytes};
@@ -69,31 +71,6 @@ pub enum StreamError {
     PastEnd { start: u64, samples: u64 },
 }
 
-/// A run of a base stream's shuffled output, positions `from..to` (`to: None`: to its end).
-/// A stream is one run of its own plan, or after an elastic resume, runs of the streams of
-/// the topology it was checkpointed at (`elastic.rs`), read one after another.
-#[derive(Debug, Clone)]
-pub struct Run {
-    pub plan: StreamPlan,
-    pub from: u64,
-    pub to: Option<u64>,
-}
-
-impl Run {
-    /// A whole stream.
-    pub fn whole(plan: StreamPlan) -> Run {
-        Run {
-            to: plan.samples,
-            plan,
-            from: 0,
-        }
-    }
-
-    fn len(&self) -> Option<u64> {
-        self.to.map(|to| to - self.from)
-    }
-}
-
 /// What a stream reads of one dataset: runs of its streams, in order.
 pub struct Lane<'a> {
     pub dataset: &'a Dataset,
@@ -113,7 +90,7 @@ pub fn run_pieces(run: &Run, window: usize) -> Vec<Piece> {
 pub struct Job<'a> {
     /// One lane, or a mix's sources (interleaved by `mix`).
     pub lanes: Vec<Lane<'a>>,
-    pub mix: Option<Interleave>,
+    pub mix: Option<crate::plan::request::Interleave>,
     /// Samples get `__source__` (a mix's, even when one source is left to read).
     pub tag_sources: bool,
     /// Stream position to start from (samples an earlier connection delivered).
@@ -130,13 +107,6 @@ pub struct Job<'a> {
 
 /// The field naming a mixed stream's source, in every sample of a mix.
 static SOURCE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("__source__"));
-
-/// Which lane each position of a mixed stream takes its sample from.
-pub struct Interleave {
-    pub mix: crate::plan::mix::Mix,
-    /// Keys the order: (seed, epoch, stream).
-    pub key: u64,
-}
 
 /// What every stream shares.
 pub struct StreamContext {

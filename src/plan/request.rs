@@ -1,0 +1,363 @@
+//! The one entry point of planning: a dataset (or a mix) of the config and a stream request
+//! → the [`Plan`] the server runs. Each mode meets here: a plain or manifest dataset
+//! (`plan_stream`), a resampled one (the same, keyed for endless passes), a weighted mix
+//! (each source's own stream, interleaved by [`crate::plan::mix`]) and an elastic resume of
+//! either (runs of the old topology's streams, [`crate::plan::elastic`]). What the plan is
+//! for: [`crate::serve::stream`] reads its lanes' runs; the server reports its START.
+
+use crate::config::Config;
+use crate::plan::{PlanError, StreamPlan, StreamRequest};
+
+/// A run of a base stream's shuffled output, positions `from..to` (`to: None`: to its end).
+/// A stream is one run of its own plan, or after an elastic resume, runs of the streams of
+/// the topology it was checkpointed at (`elastic`), read one after another.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub plan: StreamPlan,
+    pub from: u64,
+    pub to: Option<u64>,
+}
+
+impl Run {
+    /// A whole stream.
+    pub fn whole(plan: StreamPlan) -> Run {
+        Run {
+            to: plan.samples,
+            plan,
+            from: 0,
+        }
+    }
+
+    pub(crate) fn len(&self) -> Option<u64> {
+        self.to.map(|to| to - self.from)
+    }
+}
+
+/// Which lane each position of a mixed stream takes its sample from.
+pub struct Interleave {
+    pub mix: crate::plan::mix::Mix,
+    /// Keys the order: (seed, epoch, stream).
+    pub key: u64,
+}
+
+/// What a stream reads of one dataset (of a mix's sources, one of them).
+pub struct Lane {
+    pub dataset: String,
+    pub runs: Vec<Run>,
+    /// Shards the same stream reads of it next epoch, for the prefetcher.
+    pub next_epoch: Vec<usize>,
+}
+
+/// What planning a request gives.
+pub struct Plan {
+    pub lanes: Vec<Lane>,
+    pub mix: Option<Interleave>,
+    /// Samples the stream delivers (`None`: unknown before reading, without a manifest).
+    pub samples: Option<u64>,
+    pub dropped: u64,
+    /// An elastic resume's rest of the epoch, job-wide.
+    pub remainder: Option<u64>,
+    /// A mix's sources, as START reports them.
+    pub sources: Option<Vec<Source>>,
+    pub fingerprint: String,
+    /// Samples say which dataset they are of (a mix's).
+    pub tag_sources: bool,
+}
+
+/// One source of a mix's stream: its weight this epoch, samples, and which pass of it the
+/// stream starts in (START's `sources`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Source {
+    pub dataset: String,
+    pub weight: u64,
+    pub samples: u64,
+    pub pass: u64,
+}
+
+/// Plans stream `req` of `dataset` (one of the config's datasets or mixes): its epoch, or
+/// with `resume_from` the rest of it after a checkpoint at another topology (runs of the old
+/// streams; for a mix, each source's), and with `with_next` the shards of the same stream's
+/// next epoch, for the prefetcher. O(shards of the host's share): the server runs it off the
+/// runtime threads. The fuzz target `request` calls it too.
+pub fn plan(
+    config: &Config,
+    dataset: &str,
+    req: StreamRequest,
+    resume_from: Option<&crate::plan::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, PlanError> {
+    match config.mixes.get(dataset) {
+        Some(mix) => plan_mix(config, mix, req, resume_from, with_next),
+        None => plan_dataset(config, dataset, req, resume_from, with_next),
+    }
+}
+
+fn plan_dataset(
+    config: &Config,
+    name: &str,
+    req: StreamRequest,
+    resume_from: Option<&crate::plan::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, PlanError> {
+    let d = &config.datasets[name];
+    let shape = d.shape();
+    let (runs, samples, dropped, remainder) = match resume_from {
+        None => {
+            let plan = crate::plan::plan_stream(shape, config.host, &req)?;
+            let (samples, dropped) = (plan.samples, plan.dropped);
+            (vec![Run::whole(plan)], samples, dropped, None)
+        }
+        Some(origin) => {
+            let e = crate::plan::elastic::plan(shape, config.host, &req, origin)?;
+            let runs = e
+                .segments
+                .iter()
+                .map(|s| {
+                    Ok(Run {
+                        plan: source_plan(d, s.host, &s.req, None)?,
+                        from: s.from,
+                        to: Some(s.to),
+                    })
+                })
+                .collect::<Result<_, PlanError>>()?;
+            (runs, Some(e.samples), e.dropped, Some(e.remainder))
+        }
+    };
+    // An elastic epoch's workers may differ by a sample; its origin fixes them all.
+    let fingerprint = fingerprint(
+        d,
+        config,
+        &req,
+        samples.filter(|_| resume_from.is_none()),
+        resume_from,
+    );
+    Ok(Plan {
+        lanes: vec![Lane {
+            dataset: name.to_owned(),
+            runs,
+            next_epoch: next_epoch(config, shape, req, with_next),
+        }],
+        mix: None,
+        samples,
+        dropped,
+        remainder,
+        sources: None,
+        fingerprint,
+        tag_sources: false,
+    })
+}
+
+/// A mix's stream: each source's own stream of its quota (`samples_per_epoch` = the quota,
+/// keyed apart), interleaved by the mix's order keyed (seed, epoch, stream). After an elastic
+/// resume: each source's rest (`elastic::split_mix`), interleaved by what is left of each.
+fn plan_mix(
+    config: &Config,
+    m: &crate::config::MixDataset,
+    req: StreamRequest,
+    resume_from: Option<&crate::plan::elastic::Origin>,
+    with_next: bool,
+) -> Result<Plan, PlanError> {
+    let weights = m.weights(req.epoch);
+    let e = m.samples_per_epoch;
+    let mix = crate::plan::mix::Mix::new(&weights, e).expect("the config checked the mix");
+    let key = crate::plan::stream_key(&req);
+    let datasets: Vec<&crate::config::Dataset> = m
+        .sources
+        .iter()
+        .map(|(name, _)| &config.datasets[name])
+        .collect();
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    for (i, (d, (&quota, weight))) in datasets
+        .iter()
+        .zip(mix.quotas().iter().zip(&weights))
+        .enumerate()
+    {
+        h.update(fingerprint(d, config, &req, Some(quota), None));
+        h.update(weight.to_le_bytes());
+        let base = m.epoch_base(i, req.epoch, streams_per_host(config.host, &req));
+        h.update(base.unwrap_or(u128::MAX).to_le_bytes());
+    }
+    let (lanes, interleave, lens, dropped, remainder) = match resume_from {
+        None => {
+            let lanes = (0..datasets.len())
+                .map(|i| {
+                    let source = crate::plan::elastic::SourceOf {
+                        index: i as u32,
+                        quota: mix.quotas()[i],
+                    };
+                    let plan = source_plan(datasets[i], config.host, &req, Some((source, m)))?;
+                    Ok(vec![Run::whole(plan)])
+                })
+                .collect::<Result<Vec<_>, PlanError>>()?;
+            let lens = mix.quotas().to_vec();
+            let live = (0..datasets.len()).collect();
+            (lanes, Some((mix.clone(), live)), lens, 0, None)
+        }
+        Some(origin) => {
+            h.update(serde_json::to_vec(origin).expect("an origin serialises"));
+            // The request's own topology first: the split divides by its world size.
+            let local = crate::plan::validate(config.host, &req)?;
+            let splits =
+                crate::plan::elastic::split_mix(&weights, e, config.host.count, &req, origin)?;
+            let stream = local * req.num_workers as usize + req.worker as usize;
+            let lanes = splits
+                .iter()
+                .zip(&datasets)
+                .map(|(split, d)| {
+                    split.hosts[config.host.index as usize][stream]
+                        .iter()
+                        .map(|seg| {
+                            Ok(Run {
+                                plan: source_plan(
+                                    d,
+                                    seg.host,
+                                    &seg.req,
+                                    seg.source.map(|s| (s, m)),
+                                )?,
+                                from: seg.from,
+                                to: Some(seg.to),
+                            })
+                        })
+                        .collect::<Result<Vec<_>, PlanError>>()
+                })
+                .collect::<Result<Vec<_>, PlanError>>()?;
+            let lens: Vec<u64> = splits
+                .iter()
+                .map(|s| s.lengths[req.worker as usize])
+                .collect();
+            let dropped = splits.iter().map(|s| s.dropped).sum();
+            let remainder = splits.iter().map(|s| s.remainder).sum();
+            (
+                lanes,
+                crate::plan::elastic::interleave(&lens),
+                lens,
+                dropped,
+                Some(remainder),
+            )
+        }
+    };
+    // The lanes an interleave ranges over, in its order; one lane when only one source is
+    // left (or none: an empty stream).
+    let order: Vec<usize> = match &interleave {
+        Some((_, live)) => live.clone(),
+        None => vec![lens.iter().position(|&n| n > 0).unwrap_or(0)],
+    };
+    let mut sources = Vec::new();
+    let mut planned = Vec::new();
+    for (i, runs) in lanes.into_iter().enumerate() {
+        let d = datasets[i];
+        sources.push(Source {
+            dataset: d.name.clone(),
+            weight: weights[i],
+            samples: lens[i],
+            pass: runs.first().map_or(0, |r| r.plan.pass),
+        });
+        if order.contains(&i) {
+            let next = req.epoch.saturating_add(1);
+            let shape = crate::plan::Shape {
+                samples_per_epoch: Some(m.quotas(next)[i]),
+                epoch_base: m.epoch_base(i, next, streams_per_host(config.host, &req)),
+                ..d.shape()
+            };
+            planned.push(Lane {
+                dataset: d.name.clone(),
+                runs,
+                next_epoch: next_epoch(config, shape, req, with_next),
+            });
+        }
+    }
+    Ok(Plan {
+        lanes: planned,
+        mix: interleave.map(|(mix, _)| Interleave { mix, key }),
+        samples: Some(lens.iter().sum()),
+        dropped,
+        remainder,
+        sources: Some(sources),
+        fingerprint: hex::encode(&h.finalize()[..8]),
+        tag_sources: true,
+    })
+}
+
+fn streams_per_host(host: crate::plan::Topology, req: &StreamRequest) -> u128 {
+    (req.world_size / host.count) as u128 * req.num_workers as u128
+}
+
+/// A base stream's plan of dataset `d`, or of a mix's source (its quota as
+/// `samples_per_epoch`, starting where the source's earlier epochs left it, its shuffle keyed
+/// apart from the other sources').
+fn source_plan(
+    d: &crate::config::Dataset,
+    host: crate::plan::Topology,
+    req: &StreamRequest,
+    source: Option<(crate::plan::elastic::SourceOf, &crate::config::MixDataset)>,
+) -> Result<crate::plan::StreamPlan, PlanError> {
+    let mut shape = d.shape();
+    if let Some((s, m)) = source {
+        shape.samples_per_epoch = Some(s.quota);
+        shape.epoch_base = m.epoch_base(s.index as usize, req.epoch, streams_per_host(host, req));
+        if shape.epoch_base.is_none() {
+            return Err(PlanError::EpochTooLarge { epoch: req.epoch });
+        }
+    }
+    let mut plan = crate::plan::plan_stream(shape, host, req)?;
+    if let Some((s, _)) = source {
+        plan.stream_key = crate::plan::source_key(plan.stream_key, s.index);
+    }
+    Ok(plan)
+}
+
+/// The shards the same stream reads next epoch (none past the last epoch, or when it cannot
+/// be planned, or for a plan request).
+fn next_epoch(
+    config: &Config,
+    shape: crate::plan::Shape,
+    req: StreamRequest,
+    with_next: bool,
+) -> Vec<usize> {
+    req.epoch
+        .checked_add(1)
+        .filter(|_| with_next)
+        .and_then(|epoch| {
+            let next = StreamRequest { epoch, ..req };
+            crate::plan::plan_stream(shape, config.host, &next).ok()
+        })
+        .map(|p| p.shards().collect())
+        .unwrap_or_default()
+}
+
+/// Identifies an epoch's plan for every rank of a job: the data (shard list and manifest
+/// counts, hashed once per dataset), the topology, the seed, the epoch and the stream length, hashed. Excludes the
+/// rank, the worker and this host's index, so all ranks of one job agree on it.
+pub fn fingerprint(
+    dataset: &crate::config::Dataset,
+    config: &Config,
+    req: &StreamRequest,
+    samples: Option<u64>,
+    resume_from: Option<&crate::plan::elastic::Origin>,
+) -> String {
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    h.update(dataset.identity());
+    for word in [
+        config.host.count as u64,
+        req.world_size as u64,
+        req.num_workers as u64,
+        req.seed,
+        req.epoch,
+        dataset.share_seed,
+        dataset.shuffle_buffer as u64,
+        dataset.samples_per_epoch.unwrap_or(0),
+        samples.unwrap_or(u64::MAX),
+    ] {
+        h.update(word.to_le_bytes());
+    }
+    if dataset.resampled {
+        h.update(b"resampled");
+    }
+    if let Some(origin) = resume_from {
+        // An elastic resume's plan is the old checkpoint's too.
+        h.update(serde_json::to_vec(origin).expect("an origin serialises"));
+    }
+    hex::encode(&h.finalize()[..8])
+}
