@@ -10,9 +10,10 @@
 
 use std::time::Instant;
 
+use shardd::config::ShareCache;
 use shardd::plan::elastic::{self, Origin};
 use shardd::plan::shuffle::{self, SplitMix64, tag};
-use shardd::plan::{Shape, ShareCache, StreamRequest, Topology, plan_stream, warm_shards};
+use shardd::plan::{Shape, StreamRequest, Topology, plan_stream, warm_shards};
 
 fn median(mut f: impl FnMut()) -> f64 {
     let mut times: Vec<f64> = (0..9)

@@ -132,10 +132,10 @@ fn map_file(path: &std::path::Path) -> std::io::Result<Option<memmap2::Mmap>> {
 /// file would look resident). `None` when the kernel or file system cannot say (tmpfs,
 /// kernels before 4.14).
 fn residency(file: &std::fs::File, len: usize) -> Option<bool> {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::hash::BuildHasher;
     const PROBES: usize = 16;
-    static CALLS: AtomicU64 = AtomicU64::new(0);
-    let mut rng = crate::plan::shuffle::SplitMix64::new(CALLS.fetch_add(1, Ordering::Relaxed));
+    // Randomly keyed per call (std's hasher keys), which is all a probe needs.
+    let random = std::collections::hash_map::RandomState::new();
     let page_size = rustix::param::page_size();
     let pages = len.div_ceil(page_size);
     let mut byte = [0u8; 1];
@@ -145,7 +145,7 @@ fn residency(file: &std::fs::File, len: usize) -> Option<bool> {
         if first == end {
             continue;
         }
-        let page = first + rng.below((end - first) as u64) as usize;
+        let page = first + (random.hash_one(i) % (end - first) as u64) as usize;
         let mut bufs = [std::io::IoSliceMut::new(&mut byte)];
         let flags = rustix::io::ReadWriteFlags::NOWAIT;
         match rustix::io::preadv2(file, &mut bufs, (page * page_size) as u64, flags) {

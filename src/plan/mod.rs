@@ -41,10 +41,11 @@ pub mod mix;
 pub mod request;
 pub mod shuffle;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use shuffle::{SplitMix64, tag};
 
+use crate::config::ShareCache;
 pub use crate::config::host::Topology;
 
 impl crate::config::Dataset {
@@ -280,23 +281,6 @@ pub fn warm_shards(shape: Shape, host: Topology) -> Vec<usize> {
             mine.extend_from_slice(&all[fixed..]);
             mine
         }
-    }
-}
-
-/// What every plan of a dataset would otherwise recompute from all its shards: the share
-/// order and the running sample counts along it. It lives with the dataset (whose shard
-/// list, counts and `share_seed` never change once loaded), so a plan costs O(log shards +
-/// pieces of the host) instead of a shuffle and a walk over every shard (~80 ms at a million).
-#[derive(Default)]
-pub struct ShareCache {
-    order: OnceLock<Arc<[usize]>>,
-    /// `ends[i]`: samples of the first `i + 1` shards in share order.
-    ends: OnceLock<Arc<[u64]>>,
-}
-
-impl std::fmt::Debug for ShareCache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ShareCache")
     }
 }
 
