@@ -157,7 +157,7 @@ def test_close_while_the_thread_waits_on_the_socket_returns_at_once(tmp_path):
         c.close()
         assert time.monotonic() - began < 2.0
         assert not thread.is_alive()
-        assert s._sock is None
+        assert s._frames.sock is None
         waiter.join(2.0)
         assert not waiter.is_alive()
         assert next(s, "over") == "over"

@@ -174,13 +174,13 @@ def test_a_slow_steady_reader_is_never_parked(make_daemon, fake_gcs, shard_dir):
     # readahead=0: the test swaps the socket under the stream, which its thread would be reading.
     with shardd.Client(d.socket, readahead=0) as c:
         stream = c.stream("big", epoch=0, rank=0, world_size=1)
-        fast = stream._sock
+        fast = stream._frames.sock
         # 64 KiB per 20 ms (~3 MB/s): an 8 MB batch takes ~2.6 s, more than the stall timeout,
         # while the longest gap between two receives is 20 ms (100 times less than it, so a
         # loaded runner's late wake-ups do not look like a stalled reader).
-        stream._sock = Trickle(fast, 64 << 10, 0.02)
+        stream._frames.sock = Trickle(fast, 64 << 10, 0.02)
         slow = [next(stream), next(stream)]
-        stream._sock = fast
+        stream._frames.sock = fast
         got = slow + list(stream)
     assert [(s["__key__"], s["bin"]) for s in got] == [(s["__key__"], s["bin"]) for s in want]
     assert d.metric("shardd_stream_parks_total") == 0

@@ -32,7 +32,9 @@ def test_wheel_is_manylinux_and_holds_the_daemon_and_the_package(wheel):
     version = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
     assert wheel.name == f"shardd-{version}-py3-none-manylinux_2_34_x86_64.whl"
     names = set(zipfile.ZipFile(wheel).namelist())
-    package = {f"shardd/{m}.py" for m in ("__init__", "client", "torch", "grain")}
+    # Every module of the package (the client is split into private modules, shardd/_*.py).
+    package = {f"shardd/{p.name}" for p in (ROOT / "clients/python/shardd").glob("*.py")}
+    assert {"shardd/client.py", "shardd/torch.py", "shardd/grain.py", "shardd/_frames.py"} <= package
     assert package | {f"shardd-{version}.data/scripts/shardd"} <= names
     # The package's files are those of clients/python, byte for byte.
     with zipfile.ZipFile(wheel) as z:

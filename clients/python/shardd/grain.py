@@ -28,7 +28,6 @@ only to find the process's rank (``pip install shardd[grain]``). docs/jax.md has
 
 import collections
 import os
-import socket as _socket
 import threading
 
 import grain
@@ -163,10 +162,7 @@ class _Reader:
             for first in stream:
                 # The rest of the frame the client decoded with it, without a next() each.
                 chunk = [first]
-                pending = stream._pending
-                if stream._pos < len(pending):
-                    chunk += pending[stream._pos:]
-                    stream._pos = len(pending)
+                chunk += stream.rest_of_batch()
                 if not self._put(chunk):
                     return
             self._put(_END)
@@ -224,14 +220,9 @@ class _Reader:
             self._cond.notify_all()
         if stream is None:
             return
-        # The cut below is ours, not the daemon's: no reconnect, no warning about it.
-        stream._reconnect_timeout = 0
-        sock = stream._sock
-        if sock is not None:
-            try:  # wakes the thread if it waits in recv
-                sock.shutdown(_socket.SHUT_RDWR)
-            except OSError:
-                pass
+        # The cut is ours, not the daemon's: no reconnect, no warning about it; it wakes the
+        # thread if it waits in recv.
+        stream.interrupt()
         self._thread.join()
         stream.close()
 

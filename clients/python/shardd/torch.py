@@ -40,7 +40,6 @@ import torch
 import torch.utils.data
 
 from .client import (
-    _LIVE,
     RECONNECT_TIMEOUT,
     Client,
     DaemonError,
@@ -49,6 +48,7 @@ from .client import (
     PlanMismatch,
     ProtocolError,
     UnavailableError,
+    register_fork_hook,
 )
 
 __all__ = [
@@ -171,7 +171,7 @@ class _ShardIterator:
         # Closes the stream when the consumer drops the iterator (``break``, a finished
         # fetcher), even though the dataset keeps the cursor for state_dict().
         weakref.finalize(self, cursor.retire)
-        _LIVE.add(self)
+        register_fork_hook(self, _ShardIterator._inherited)
 
     def __iter__(self):
         return self
