@@ -1,0 +1,199 @@
+//! Layer 1: what the config file says, as serde reads it (unknown keys are an error). Every
+//! key and its default is in `config.example.toml` and `docs/configuration.md`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub server: ServerSection,
+    #[serde(default)]
+    pub host: HostSection,
+    #[serde(default)]
+    pub cache: CacheSection,
+    #[serde(default)]
+    pub store: StoreSection,
+    pub gcs: Option<GcsSection>,
+    pub s3: Option<S3Section>,
+    #[serde(default)]
+    pub datasets: BTreeMap<String, DatasetSection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    pub socket: PathBuf,
+    pub socket_mode: String,
+    pub socket_group: Option<String>,
+    pub metrics_addr: String,
+    pub max_connections: usize,
+    pub handshake_timeout: String,
+    pub stall_timeout: String,
+    pub zero_copy_maps: usize,
+    pub zero_copy_share: f64,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            socket: "/run/shardd/shardd.sock".into(),
+            socket_mode: "0660".into(),
+            socket_group: None,
+            metrics_addr: "127.0.0.1:9464".into(),
+            max_connections: 1024,
+            handshake_timeout: "10s".into(),
+            stall_timeout: "60s".into(),
+            zero_copy_maps: 16,
+            zero_copy_share: 0.25,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostSection {
+    pub index: HostValue,
+    pub count: HostValue,
+}
+
+/// `index = 3`, or `index = "auto"`: found at start, or (index only) `"from-clients"`:
+/// learned from the first stream (see `host.rs`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum HostValue {
+    Number(u32),
+    Word(String),
+}
+
+impl Default for HostSection {
+    fn default() -> Self {
+        Self {
+            index: HostValue::Number(0),
+            count: HostValue::Number(1),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheSection {
+    pub dir: PathBuf,
+    pub max_size: String,
+    pub prefetch_shards: usize,
+    pub revalidate: String,
+    pub space_timeout: String,
+    pub index_memory: String,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        Self {
+            dir: "/var/cache/shardd".into(),
+            max_size: "auto".into(),
+            prefetch_shards: 4,
+            revalidate: "10m".into(),
+            space_timeout: "30s".into(),
+            index_memory: "256MiB".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSection {
+    pub max_downloads: usize,
+    pub connect_timeout: String,
+    pub read_timeout: String,
+    pub retries: usize,
+    pub retry_timeout: String,
+    pub credentials_timeout: String,
+    pub part_size: String,
+    pub parts_in_flight: usize,
+    pub verify: String,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        Self {
+            max_downloads: 16,
+            connect_timeout: "10s".into(),
+            read_timeout: "60s".into(),
+            retries: 10,
+            retry_timeout: "3m".into(),
+            credentials_timeout: "10s".into(),
+            part_size: "64MiB".into(),
+            parts_in_flight: 4,
+            verify: "auto".into(),
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GcsSection {
+    pub endpoint: Option<String>,
+    /// A service-account key file (relative paths: to the config file's directory).
+    pub credentials: Option<PathBuf>,
+    pub anonymous: bool,
+    /// A plain-http endpoint that is not loopback is refused unless this says so.
+    pub allow_http: bool,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct S3Section {
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub anonymous: bool,
+    pub allow_http: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetSection {
+    /// Required, unless the dataset is a mix.
+    #[serde(default)]
+    pub shards: Option<Patterns>,
+    /// A mix of other datasets: `mix = { web = 3, books = 1 }` (integer weights).
+    #[serde(default)]
+    pub mix: Option<BTreeMap<String, u64>>,
+    /// A mix's curriculum: other weights from an epoch on.
+    #[serde(default)]
+    pub schedule: Vec<ScheduleEntry>,
+    #[serde(default = "default_shuffle_buffer")]
+    pub shuffle_buffer: usize,
+    #[serde(default)]
+    pub share_seed: u64,
+    #[serde(default)]
+    pub warm: bool,
+    #[serde(default)]
+    pub manifest: Option<String>,
+    #[serde(default)]
+    pub samples_per_epoch: Option<u64>,
+    #[serde(default)]
+    pub resampled: bool,
+}
+
+/// `schedule = [{ epoch = 10, mix = { web = 1, books = 1 } }]`: from `epoch` on, these weights.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleEntry {
+    pub epoch: u64,
+    pub mix: BTreeMap<String, u64>,
+}
+
+fn default_shuffle_buffer() -> usize {
+    10_000
+}
+
+/// `shards = "pattern"` or `shards = ["pattern", ...]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Patterns {
+    One(String),
+    Many(Vec<String>),
+}

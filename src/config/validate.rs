@@ -1,0 +1,408 @@
+//! Layer 1 → layer 2: a [`FileConfig`] checked once, at start, into the runtime [`Config`];
+//! every refusal names the key and what is wrong.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::*;
+
+impl FileConfig {
+    pub fn validate(self, base_dir: &Path) -> Result<Config, ConfigError> {
+        let s = self.server;
+        let socket_mode = u32::from_str_radix(s.socket_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "server.socket_mode {:?} is not an octal file mode like \"0660\"",
+                    s.socket_mode
+                ))
+            })?;
+        let metrics_addr = if s.metrics_addr.is_empty() {
+            None
+        } else {
+            Some(s.metrics_addr.parse().map_err(|_| {
+                invalid(format!(
+                    "server.metrics_addr {:?} is not an address like \"127.0.0.1:9464\"",
+                    s.metrics_addr
+                ))
+            })?)
+        };
+        if s.max_connections == 0 {
+            return Err(invalid("server.max_connections must be at least 1"));
+        }
+        let handshake_timeout = parse_timeout(&s.handshake_timeout, "server.handshake_timeout")?;
+        let stall_timeout = parse_timeout(&s.stall_timeout, "server.stall_timeout")?;
+
+        let auto = |value: &HostValue, key: &str| match value {
+            HostValue::Number(n) => Ok(Some(*n)),
+            HostValue::Word(w) if w == "auto" => Ok(None),
+            HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS && key == "host.index" => {
+                Ok(Some(0))
+            }
+            HostValue::Word(w) if key == "host.index" => Err(invalid(format!(
+                "{key} {w:?} is neither a number, \"auto\" nor \"from-clients\""
+            ))),
+            HostValue::Word(w) => Err(invalid(format!(
+                "{key} {w:?} is neither a number nor \"auto\""
+            ))),
+        };
+        let from_clients = matches!(&self.host.index, HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS);
+        let (index, count) = (
+            auto(&self.host.index, "host.index")?,
+            auto(&self.host.count, "host.count")?,
+        );
+        let host_auto = HostAuto {
+            index: index.is_none(),
+            count: count.is_none(),
+            from_clients,
+        };
+        let host = Topology {
+            index: index.unwrap_or(0),
+            count: count.unwrap_or(1),
+        };
+        if !host_auto.count {
+            host.check().map_err(invalid)?;
+        }
+
+        let (cache_max_bytes, cache_max_share) =
+            crate::config::space::cache_budget(&self.cache.max_size, &self.cache.dir)?;
+        if !(0.0..=1.0).contains(&s.zero_copy_share) {
+            return Err(invalid(format!(
+                "server.zero_copy_share {} is not a share of cache.max_size between 0 and 1",
+                s.zero_copy_share
+            )));
+        }
+        let zero_copy_bytes = (cache_max_bytes as f64 * s.zero_copy_share) as u64;
+        if self.cache.prefetch_shards == 0 {
+            return Err(invalid("cache.prefetch_shards must be at least 1"));
+        }
+        if self.store.max_downloads == 0 {
+            return Err(invalid("store.max_downloads must be at least 1"));
+        }
+        let revalidate = parse_duration(&self.cache.revalidate, "cache.revalidate")?;
+        let space_timeout = parse_timeout(&self.cache.space_timeout, "cache.space_timeout")?;
+        let index_memory = parse_size(&self.cache.index_memory, "cache.index_memory")?;
+        let part_size = parse_size(&self.store.part_size, "store.part_size")?;
+        if part_size < 1 << 20 {
+            return Err(invalid("store.part_size must be at least 1MiB"));
+        }
+        if self.store.parts_in_flight == 0 {
+            return Err(invalid("store.parts_in_flight must be at least 1"));
+        }
+        let connect_timeout = parse_timeout(&self.store.connect_timeout, "store.connect_timeout")?;
+        let read_timeout = parse_timeout(&self.store.read_timeout, "store.read_timeout")?;
+        let retry_timeout = parse_timeout(&self.store.retry_timeout, "store.retry_timeout")?;
+        let credentials_timeout =
+            parse_timeout(&self.store.credentials_timeout, "store.credentials_timeout")?;
+        let verify = match self.store.verify.as_str() {
+            "auto" => Verify::Auto,
+            "size" => Verify::Size,
+            "checksum" => Verify::Checksum,
+            other => {
+                return Err(invalid(format!(
+                    "store.verify {other:?} is none of \"auto\", \"size\", \"checksum\""
+                )));
+            }
+        };
+
+        let mut gcs = self.gcs;
+        if let Some(g) = &mut gcs {
+            check_endpoint(g.endpoint.as_deref(), g.allow_http, "gcs")?;
+            if g.anonymous && g.credentials.is_some() {
+                return Err(invalid(
+                    "gcs.credentials and gcs.anonymous = true contradict each other: choose one",
+                ));
+            }
+            g.credentials = g.credentials.as_ref().map(|p| base_dir.join(p));
+        }
+        if let Some(s) = &self.s3 {
+            check_endpoint(s.endpoint.as_deref(), s.allow_http, "s3")?;
+        }
+        if self.datasets.is_empty() {
+            return Err(invalid("no [datasets.NAME] section: nothing to serve"));
+        }
+        let mut datasets = BTreeMap::new();
+        let mut mix_sections = Vec::new();
+        for (name, d) in self.datasets {
+            if d.mix.is_some() {
+                mix_sections.push((name, d));
+                continue;
+            }
+            let dataset = validate_dataset(&name, d, base_dir)?;
+            datasets.insert(name, dataset);
+        }
+        let mut mixes = BTreeMap::new();
+        for (name, d) in mix_sections {
+            let mix = validate_mix(&name, d, &datasets)?;
+            mixes.insert(name, mix);
+        }
+
+        Ok(Config {
+            socket: s.socket,
+            socket_mode,
+            socket_group: s.socket_group,
+            metrics_addr,
+            max_connections: s.max_connections,
+            handshake_timeout,
+            stall_timeout,
+            zero_copy_maps: s.zero_copy_maps,
+            zero_copy_bytes,
+            zero_copy_share: s.zero_copy_share,
+            host,
+            host_auto,
+            deferred_warm: Vec::new(),
+            cache_dir: self.cache.dir,
+            cache_max_bytes,
+            cache_max_share,
+            prefetch_shards: self.cache.prefetch_shards,
+            revalidate,
+            space_timeout,
+            index_memory,
+            max_downloads: self.store.max_downloads,
+            connect_timeout,
+            read_timeout,
+            retries: self.store.retries,
+            retry_timeout,
+            credentials_timeout,
+            part_size,
+            parts_in_flight: self.store.parts_in_flight,
+            verify,
+            gcs,
+            s3: self.s3,
+            datasets,
+            mixes,
+        })
+    }
+}
+
+/// A mix names at least two datasets of this config that have manifests (its streams are
+/// exact in samples), with weights ≥ 1, and its `samples_per_epoch`; nothing of its own else.
+fn validate_mix(
+    name: &str,
+    d: DatasetSection,
+    datasets: &BTreeMap<String, Dataset>,
+) -> Result<MixDataset, ConfigError> {
+    let mix = d.mix.unwrap_or_default();
+    if d.shards.is_some() || d.manifest.is_some() || d.resampled || d.warm {
+        // (and `schedule` belongs to mixes only: checked in validate_dataset)
+        return Err(invalid(format!(
+            "dataset {name:?}: a mix has no shards, manifest, resampled or warm of its own: set them on its sources"
+        )));
+    }
+    if mix.len() < 2 {
+        return Err(invalid(format!(
+            "dataset {name:?}: mix needs at least two sources, e.g. mix = {{ web = 3, books = 1 }}"
+        )));
+    }
+    let Some(samples_per_epoch) = d.samples_per_epoch.filter(|&n| n > 0) else {
+        return Err(invalid(format!(
+            "dataset {name:?}: a mix needs samples_per_epoch (at least 1): the samples every stream gets per epoch"
+        )));
+    };
+    for (source, &weight) in &mix {
+        let Some(s) = datasets.get(source) else {
+            let known: Vec<&str> = datasets.keys().map(String::as_str).collect();
+            return Err(invalid(format!(
+                "dataset {name:?}: mix source {source:?} is not a dataset of this config (they are: {}); a mix cannot contain a mix",
+                known.join(", ")
+            )));
+        };
+        if s.manifest.is_none() {
+            return Err(invalid(format!(
+                "dataset {name:?}: mix source {source:?} needs a manifest (shardd index): a mix reads its sources in samples"
+            )));
+        }
+        if weight == 0 {
+            return Err(invalid(format!(
+                "dataset {name:?}: mix weight of {source:?} must be at least 1"
+            )));
+        }
+    }
+    let sources: Vec<(String, u64)> = mix.into_iter().collect();
+    let weights: Vec<u64> = sources.iter().map(|s| s.1).collect();
+    weights_fit(&weights).map_err(|e| invalid(format!("dataset {name:?}: mix: {e}")))?;
+    let mut schedule = Vec::new();
+    let mut last = 0;
+    for entry in d.schedule {
+        if entry.epoch <= last {
+            return Err(invalid(format!(
+                "dataset {name:?}: schedule epochs must increase from 1 (epoch {} after {last})",
+                entry.epoch
+            )));
+        }
+        last = entry.epoch;
+        let names: Vec<&String> = entry.mix.keys().collect();
+        if names != sources.iter().map(|s| &s.0).collect::<Vec<_>>() {
+            return Err(invalid(format!(
+                "dataset {name:?}: schedule entry for epoch {} must weigh the mix's sources, all of them: {}",
+                entry.epoch,
+                sources
+                    .iter()
+                    .map(|s| s.0.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        let w: Vec<u64> = entry.mix.into_values().collect();
+        if w.contains(&0) {
+            return Err(invalid(format!(
+                "dataset {name:?}: schedule weights must be at least 1 (epoch {})",
+                entry.epoch
+            )));
+        }
+        weights_fit(&w).map_err(|e| {
+            invalid(format!(
+                "dataset {name:?}: schedule entry for epoch {}: {e}",
+                entry.epoch
+            ))
+        })?;
+        schedule.push((entry.epoch, w));
+    }
+    Ok(MixDataset {
+        name: name.to_string(),
+        sources,
+        samples_per_epoch,
+        schedule,
+    })
+}
+
+fn validate_dataset(
+    name: &str,
+    d: DatasetSection,
+    base_dir: &Path,
+) -> Result<Dataset, ConfigError> {
+    if !d.schedule.is_empty() {
+        return Err(invalid(format!(
+            "dataset {name:?}: schedule is a mix's curriculum: this dataset has no mix"
+        )));
+    }
+    let Some(shards) = d.shards else {
+        return Err(invalid(format!(
+            "dataset {name:?}: missing field `shards` (or `mix`, for a mix of other datasets)"
+        )));
+    };
+    let patterns = match shards {
+        Patterns::One(p) => vec![p],
+        Patterns::Many(ps) => ps,
+    };
+    if patterns.is_empty() {
+        return Err(invalid(format!(
+            "dataset {name:?}: shards is an empty list"
+        )));
+    }
+    if d.shuffle_buffer == 0 {
+        return Err(invalid(format!(
+            "dataset {name:?}: shuffle_buffer must be at least 1 (1 means no sample shuffle)"
+        )));
+    }
+    let mut shards = Vec::new();
+    for pattern in &patterns {
+        let expanded = braces::expand(pattern)
+            .map_err(|e| invalid(format!("dataset {name:?}: pattern {pattern:?}: {e}")))?;
+        for url in expanded {
+            let shard = ShardUrl::parse(&url, base_dir).map_err(|source| ConfigError::Url {
+                dataset: name.to_string(),
+                source,
+            })?;
+            shards.push(shard);
+        }
+    }
+    let manifest = d
+        .manifest
+        .as_deref()
+        .map(|m| ShardUrl::parse(m, base_dir))
+        .transpose()
+        .map_err(|source| ConfigError::Url {
+            dataset: name.to_string(),
+            source,
+        })?;
+    match d.samples_per_epoch {
+        Some(0) => {
+            return Err(invalid(format!(
+                "dataset {name:?}: samples_per_epoch must be at least 1"
+            )));
+        }
+        Some(_) if manifest.is_none() => {
+            return Err(invalid(format!(
+                "dataset {name:?}: samples_per_epoch needs a manifest (shardd index) to count samples"
+            )));
+        }
+        None if d.resampled => {
+            return Err(invalid(format!(
+                "dataset {name:?}: resampled = true needs samples_per_epoch (and a manifest): a resampled stream has no end of its own"
+            )));
+        }
+        _ => {}
+    }
+    let mut seen = rustc_hash::FxHashSet::default();
+    seen.reserve(shards.len());
+    if let Some(dup) = shards.iter().find(|s| !seen.insert(s.as_str())) {
+        return Err(invalid(format!(
+            "dataset {name:?}: shard {} is listed twice; every sample must appear once per epoch",
+            dup.as_str()
+        )));
+    }
+    Ok(Dataset {
+        name: name.to_string(),
+        shuffle_buffer: d.shuffle_buffer,
+        share_seed: d.share_seed,
+        warm: d.warm,
+        identity: identity(&shards, None),
+        share: Default::default(),
+        manifest,
+        samples_per_epoch: d.samples_per_epoch,
+        resampled: d.resampled,
+        counts: None,
+        shards: shards.into(),
+    })
+}
+
+/// Credentials must not travel in clear text by mistake: a plain-http endpoint is accepted
+/// only on loopback (an emulator) or when the config says `allow_http = true`.
+fn check_endpoint(
+    endpoint: Option<&str>,
+    allow_http: bool,
+    section: &str,
+) -> Result<(), ConfigError> {
+    let Some(endpoint) = endpoint else {
+        return Ok(());
+    };
+    let url = ::url::Url::parse(endpoint)
+        .map_err(|e| invalid(format!("{section}.endpoint {endpoint:?} is not a URL: {e}")))?;
+    let loopback = match url.host() {
+        Some(::url::Host::Domain(d)) => d == "localhost",
+        Some(::url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(::url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    };
+    if url.scheme() == "http" && !loopback && !allow_http {
+        return Err(invalid(format!(
+            "{section}.endpoint {endpoint:?} is plain http: credentials would travel in clear text; use https, a loopback address, or set {section}.allow_http = true"
+        )));
+    }
+    Ok(())
+}
+
+pub(super) fn identity(shards: &[ShardUrl], counts: Option<&[u64]>) -> [u8; 16] {
+    use md5::Digest;
+    let mut h = md5::Md5::new();
+    for shard in shards {
+        h.update(shard.as_str().as_bytes());
+        h.update([0]);
+    }
+    for n in counts.into_iter().flatten() {
+        h.update(n.to_le_bytes());
+    }
+    h.finalize().into()
+}
+
+/// What `plan::mix` needs of a mix's weights beyond the checks above (two or more sources,
+/// none 0): a sum that fits in a u64. The same message as its `MixError`.
+fn weights_fit(weights: &[u64]) -> Result<(), &'static str> {
+    weights
+        .iter()
+        .try_fold(0u64, |sum, &w| sum.checked_add(w))
+        .map(|_| ())
+        .ok_or("the source weights add up to more than 2^64 - 1")
+}
