@@ -182,7 +182,7 @@ async fn serve_from(
     counts: &mut [Option<u64>],
 ) -> Result<Leg, StreamError> {
     let position = job.start + end.samples;
-    let (positions, mut cursor) = match &job.mix {
+    let (positions, cursor) = match &job.mix {
         None => (vec![position], None),
         Some(m) => (
             m.mix.counts_at(m.key, position),
@@ -209,58 +209,24 @@ async fn serve_from(
             LaneReader::new(ctx, job, lane, at, opened_at, counts.unwrap_or(&mut []))
         })
         .collect();
-    let mut out: VecDeque<Sample> = VecDeque::new();
-    // The lane of each sample in `out`, for the per-dataset counters.
-    let mut out_lanes: VecDeque<usize> = VecDeque::new();
-    let mut out_bytes = 0usize;
-    // A mix's next source, drawn but not yet taken.
-    let mut pending: Option<usize> = None;
+    let mut out = Outbox {
+        cursor,
+        ..Outbox::default()
+    };
     loop {
-        while out.len() < protocol::BATCH_MAX_SAMPLES && out_bytes < protocol::BATCH_TARGET_BYTES {
-            let i = match (cursor.as_mut(), pending) {
-                (None, _) => 0,
-                (Some(_), Some(i)) => i,
-                (Some(c), None) => match c.next() {
-                    Some(i) => i,
-                    None => break,
-                },
-            };
-            // A frame ends where the next sample's window is not cut yet: the client gets
-            // what is ready without waiting for more shards. Where a frame ends is a function
-            // of the position alone (`has_window` says what an unbroken stream would have
-            // cut), so a park re-encodes a mix's frame the same too.
-            if !out.is_empty() && !lanes[i].has_window() {
-                pending = Some(i);
-                break;
-            }
-            pending = None;
-            match lanes[i].next_sample(job).await? {
-                Some(sample) => {
-                    out_bytes += sample.payload_len();
-                    out.push_back(sample);
-                    out_lanes.push_back(i);
-                }
-                None if cursor.is_none() => break,
-                None => {
-                    return Err(StreamError::Internal(format!(
-                        "mix source {} ended before its quota",
-                        job.lanes[i].dataset.name
-                    )));
-                }
-            }
-        }
-        if out.is_empty() {
+        out.fill(&mut lanes, job).await?;
+        if out.samples.is_empty() {
             return Ok(Leg::Done);
         }
         if job.shutdown.is_cancelled() {
             return Err(StreamError::Shutdown);
         }
         let (parts, sent) = match job.zero_copy {
-            None => protocol::encode_batch(&mut out).map_err(StreamError::Encode)?,
+            None => protocol::encode_batch(&mut out.samples).map_err(StreamError::Encode)?,
             Some(maps) => {
-                let batch = protocol::take_batch(&mut out);
+                let batch = protocol::take_batch(&mut out.samples);
                 let parts = maps
-                    .encode(&ctx.cache, &batch, || live_urls(&lanes, &out))
+                    .encode(&ctx.cache, &batch, || live_urls(&lanes, &out.samples))
                     .map_err(StreamError::Encode)?;
                 (parts, batch)
             }
@@ -291,13 +257,85 @@ async fn serve_from(
         if end.samples == 0 {
             lane0.first_sample.observe(opened.elapsed().as_secs_f64());
         }
+        out.count_sent(&sent, &lanes, end, job);
+        if let Some(e) = failed {
+            return Err(e);
+        }
+    }
+}
+
+/// The samples of the next frame, drawn from the lanes in the stream's order.
+#[derive(Default)]
+struct Outbox {
+    samples: VecDeque<Sample>,
+    /// The lane of each sample in `samples`, for the per-dataset counters.
+    lanes: VecDeque<usize>,
+    bytes: usize,
+    /// A mix's order (`None`: one dataset, one lane).
+    cursor: Option<crate::plan::mix::Cursor>,
+    /// A mix's next source, drawn but not yet taken.
+    pending: Option<usize>,
+}
+
+impl Outbox {
+    /// Draws samples until a frame's worth, the end of the stream, or a sample whose window
+    /// is not cut yet: the client gets what is ready without waiting for more shards. Where
+    /// a frame ends is a function of the position alone (`has_window` says what an unbroken
+    /// stream would have cut), so a park re-encodes a mix's frame the same too.
+    async fn fill<'a>(
+        &mut self,
+        lanes: &mut [LaneReader<'a>],
+        job: &Job<'a>,
+    ) -> Result<(), StreamError> {
+        while self.samples.len() < protocol::BATCH_MAX_SAMPLES
+            && self.bytes < protocol::BATCH_TARGET_BYTES
+        {
+            let i = match (self.cursor.as_mut(), self.pending) {
+                (None, _) => 0,
+                (Some(_), Some(i)) => i,
+                (Some(c), None) => match c.next() {
+                    Some(i) => i,
+                    None => break,
+                },
+            };
+            if !self.samples.is_empty() && !lanes[i].has_window() {
+                self.pending = Some(i);
+                break;
+            }
+            self.pending = None;
+            match lanes[i].next_sample(job).await? {
+                Some(sample) => {
+                    self.bytes += sample.payload_len();
+                    self.samples.push_back(sample);
+                    self.lanes.push_back(i);
+                }
+                None if self.cursor.is_none() => break,
+                None => {
+                    return Err(StreamError::Internal(format!(
+                        "mix source {} ended before its quota",
+                        job.lanes[i].dataset.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a sent frame's samples off the box and counts them: the END summary, and per
+    /// dataset (a mix's sources each count their own), once per frame and lane.
+    fn count_sent(
+        &mut self,
+        sent: &[Sample],
+        lanes: &[LaneReader<'_>],
+        end: &mut End,
+        job: &Job<'_>,
+    ) {
         let bytes: u64 = sent.iter().map(|s| s.payload_len() as u64).sum();
-        out_bytes -= bytes as usize;
+        self.bytes -= bytes as usize;
         end.samples += sent.len() as u64;
         end.bytes += bytes;
-        // Per dataset (a mix's sources each count their own), once per frame and lane.
         let mut per_lane = vec![(0u64, 0u64); lanes.len()];
-        for (sample, i) in sent.iter().zip(out_lanes.drain(..sent.len())) {
+        for (sample, i) in sent.iter().zip(self.lanes.drain(..sent.len())) {
             per_lane[i].0 += 1;
             per_lane[i].1 += sample.payload_len() as u64;
         }
@@ -306,9 +344,6 @@ async fn serve_from(
             lane.series.bytes_sent.inc_by(bytes);
         }
         job.live.sent(sent.len() as u64, bytes);
-        if let Some(e) = failed {
-            return Err(e);
-        }
     }
 }
 
