@@ -237,7 +237,13 @@ async fn serve(
         peer_pid = peer.and_then(|p| p.pid()),
         peer_uid = peer.map(|p| p.uid()),
     );
-    let outcome = run_stream(rd, wr, daemon, shutdown, peer, &req, planned, &span).await;
+    let conn = Connection {
+        rd,
+        wr,
+        peer,
+        shutdown,
+    };
+    let outcome = run_stream(conn, daemon, &req, planned, &span).await;
     report(&daemon.streams.metrics, &req.dataset, &span, outcome)
 }
 
@@ -353,19 +359,30 @@ enum Outcome {
     },
 }
 
+/// A client's connection once its request is accepted: the socket's halves, who the client
+/// is, and the daemon's shutdown.
+struct Connection<'a> {
+    rd: &'a mut tokio::net::unix::OwnedReadHalf,
+    wr: &'a mut tokio::net::unix::OwnedWriteHalf,
+    peer: Option<tokio::net::unix::UCred>,
+    shutdown: &'a CancellationToken,
+}
+
 /// Serves an accepted stream until it completes, fails, its client leaves or the daemon
 /// stops.
-#[allow(clippy::too_many_arguments)]
 async fn run_stream(
-    rd: &mut tokio::net::unix::OwnedReadHalf,
-    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    conn: Connection<'_>,
     daemon: &Arc<Daemon>,
-    shutdown: &CancellationToken,
-    peer: Option<tokio::net::unix::UCred>,
     req: &Request,
     planned: Planned,
     span: &tracing::Span,
 ) -> Outcome {
+    let Connection {
+        rd,
+        wr,
+        peer,
+        shutdown,
+    } = conn;
     let config = &daemon.config;
     let _active = Active::new(&daemon.streams.metrics.streams_active);
     let registered = daemon.board.register(
