@@ -3,12 +3,14 @@
 //!
 //! # Layout
 //! A folder per stage of the data flow, which runs one way: store → cache → shard → plan →
-//! serve, with config below every stage and the commands above them. A module imports only
-//! from its own stage, the stages before it, `config`, `ops` and `protocol`.
+//! serve, with config and ops below every stage and the commands above them. A module
+//! imports only from its own stage, the stages before it, `config` and `ops`; `protocol`
+//! (frames of samples, requests of plans) sits between plan and serve, `client` above it.
+//! (Unit tests may reach further for fixtures.)
 //!
 //! | stage | folder | job |
 //! |---|---|---|
-//! | config | `config/` | TOML → validated [`config::Config`]; shard patterns (`braces`), shard URLs (`url`), the host's place in the job (`host`) |
+//! | config | `config/` | TOML (`file`) → validated (`validate`) [`config::Config`]; sizes and durations (`values`), `merge-config` (`merge`), the cache's sizing (`space`); shard patterns (`braces`), shard URLs (`url`), the host's place in the job (`host`) |
 //! | store | `store/` | reads a shard from its source: credentials asked once, ranged parallel GETs checksummed as they land, verification, local copies |
 //! | cache | `cache/` | the host-level shard source: verified entries on disk, hard budget, pins, single flight, eviction, decompression |
 //! | shard | `shard/` | tar bytes → WebDataset samples (zero-copy slices); where each sample of a cached shard lies (`sample_index`); per-shard sizes, checksums, counts (`manifest`) |
