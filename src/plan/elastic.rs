@@ -253,30 +253,7 @@ pub fn split_mix(
         ..*req
     };
     let k = origin.num_workers as usize;
-    let ranks = origin.world_size / origin.hosts;
-    // Per source: the old streams' lanes, and each old worker's length of it.
-    let (lanes, lens, base_mix): (Vec<Lanes>, Vec<Vec<u64>>, _) = match &origin.from {
-        None => {
-            let mix = crate::plan::mix::Mix::new(weights, e)
-                .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
-            let lanes = (mix.quotas().iter().enumerate())
-                .map(|(i, &quota)| {
-                    let source = SourceOf {
-                        index: i as u32,
-                        quota,
-                    };
-                    base_lanes(origin, &old_req, quota, Some(source))
-                })
-                .collect();
-            let lens = mix.quotas().iter().map(|&q| vec![q; k]).collect();
-            (lanes, lens, Some(mix))
-        }
-        Some(earlier) => {
-            let prev = split_mix(weights, e, origin.hosts, &old_req, earlier)?;
-            let lens = prev.iter().map(|s| s.lengths.clone()).collect();
-            (prev.into_iter().map(|s| s.hosts).collect(), lens, None)
-        }
-    };
+    let (lanes, lens, base_mix) = old_mix_streams(weights, e, origin, &old_req)?;
     for (w, &p) in origin.positions.iter().enumerate() {
         let n: u64 = lens.iter().map(|l| l[w]).sum();
         if p > n {
@@ -293,19 +270,67 @@ pub fn split_mix(
             None => interleave(&lens.iter().map(|l| l[w]).collect::<Vec<_>>()),
         })
         .collect();
-    // consumed[i][h][s]: what old stream (h, s) read of source i.
-    let mut consumed: Vec<Vec<Vec<u64>>> =
-        vec![
-            vec![vec![0; (ranks * origin.num_workers) as usize]; origin.hosts as usize];
-            lens.len()
-        ];
+    let consumed = consumed_per_source(&orders, &lens, origin, &old_req);
+    Ok(lanes
+        .iter()
+        .zip(&consumed)
+        .map(|(lanes, consumed)| redistribute(lanes, consumed, hosts, req, None))
+        .collect())
+}
+
+/// A mix's old streams, per source: their lanes, each old worker's length of the source,
+/// and the mix itself when the origin is the base (not an earlier resume's rest).
+type OldMix = (Vec<Lanes>, Vec<Vec<u64>>, Option<crate::plan::mix::Mix>);
+
+fn old_mix_streams(
+    weights: &[u64],
+    e: u64,
+    origin: &Origin,
+    old_req: &StreamRequest,
+) -> Result<OldMix, PlanError> {
+    let k = origin.num_workers as usize;
+    Ok(match &origin.from {
+        None => {
+            let mix = crate::plan::mix::Mix::new(weights, e)
+                .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
+            let lanes = (mix.quotas().iter().enumerate())
+                .map(|(i, &quota)| {
+                    let source = SourceOf {
+                        index: i as u32,
+                        quota,
+                    };
+                    base_lanes(origin, old_req, quota, Some(source))
+                })
+                .collect();
+            let lens = mix.quotas().iter().map(|&q| vec![q; k]).collect();
+            (lanes, lens, Some(mix))
+        }
+        Some(earlier) => {
+            let prev = split_mix(weights, e, origin.hosts, old_req, earlier)?;
+            let lens = prev.iter().map(|s| s.lengths.clone()).collect();
+            (prev.into_iter().map(|s| s.hosts).collect(), lens, None)
+        }
+    })
+}
+
+/// `consumed[i][h][s]`: what old stream `s` of old host `h` had read of source `i` at the
+/// checkpoint, from its worker's interleave (`orders`) and position.
+fn consumed_per_source(
+    orders: &[Option<(crate::plan::mix::Mix, Vec<usize>)>],
+    lens: &[Vec<u64>],
+    origin: &Origin,
+    old_req: &StreamRequest,
+) -> Vec<Vec<Vec<u64>>> {
+    let ranks = origin.world_size / origin.hosts;
+    let streams = (ranks * origin.num_workers) as usize;
+    let mut consumed = vec![vec![vec![0; streams]; origin.hosts as usize]; lens.len()];
     for h in 0..origin.hosts {
         for s in 0..ranks * origin.num_workers {
             let w = (s % origin.num_workers) as usize;
             let stream = StreamRequest {
                 rank: h * ranks + s / origin.num_workers,
                 worker: w as u32,
-                ..old_req
+                ..*old_req
             };
             let own: Vec<u64> = lens.iter().map(|l| l[w]).collect();
             let counts = taken(
@@ -319,11 +344,7 @@ pub fn split_mix(
             }
         }
     }
-    Ok(lanes
-        .iter()
-        .zip(&consumed)
-        .map(|(lanes, consumed)| redistribute(lanes, consumed, hosts, req, None))
-        .collect())
+    consumed
 }
 
 /// The order of an elastic mix stream whose sources have `lens` samples: the sources with
