@@ -34,36 +34,7 @@ impl FileConfig {
         let handshake_timeout = parse_timeout(&s.handshake_timeout, "server.handshake_timeout")?;
         let stall_timeout = parse_timeout(&s.stall_timeout, "server.stall_timeout")?;
 
-        let auto = |value: &HostValue, key: &str| match value {
-            HostValue::Number(n) => Ok(Some(*n)),
-            HostValue::Word(w) if w == "auto" => Ok(None),
-            HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS && key == "host.index" => {
-                Ok(Some(0))
-            }
-            HostValue::Word(w) if key == "host.index" => Err(invalid(format!(
-                "{key} {w:?} is neither a number, \"auto\" nor \"from-clients\""
-            ))),
-            HostValue::Word(w) => Err(invalid(format!(
-                "{key} {w:?} is neither a number nor \"auto\""
-            ))),
-        };
-        let from_clients = matches!(&self.host.index, HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS);
-        let (index, count) = (
-            auto(&self.host.index, "host.index")?,
-            auto(&self.host.count, "host.count")?,
-        );
-        let host_auto = HostAuto {
-            index: index.is_none(),
-            count: count.is_none(),
-            from_clients,
-        };
-        let host = Topology {
-            index: index.unwrap_or(0),
-            count: count.unwrap_or(1),
-        };
-        if !host_auto.count {
-            host.check().map_err(invalid)?;
-        }
+        let (host, host_auto) = validate_host(&self.host)?;
 
         let (cache_max_bytes, cache_max_share) =
             crate::config::space::cache_budget(&self.cache.max_size, &self.cache.dir)?;
@@ -95,16 +66,7 @@ impl FileConfig {
         let retry_timeout = parse_timeout(&self.store.retry_timeout, "store.retry_timeout")?;
         let credentials_timeout =
             parse_timeout(&self.store.credentials_timeout, "store.credentials_timeout")?;
-        let verify = match self.store.verify.as_str() {
-            "auto" => Verify::Auto,
-            "size" => Verify::Size,
-            "checksum" => Verify::Checksum,
-            other => {
-                return Err(invalid(format!(
-                    "store.verify {other:?} is none of \"auto\", \"size\", \"checksum\""
-                )));
-            }
-        };
+        let verify = validate_verify(&self.store.verify)?;
 
         let mut gcs = self.gcs;
         if let Some(g) = &mut gcs {
@@ -119,24 +81,7 @@ impl FileConfig {
         if let Some(s) = &self.s3 {
             check_endpoint(s.endpoint.as_deref(), s.allow_http, "s3")?;
         }
-        if self.datasets.is_empty() {
-            return Err(invalid("no [datasets.NAME] section: nothing to serve"));
-        }
-        let mut datasets = BTreeMap::new();
-        let mut mix_sections = Vec::new();
-        for (name, d) in self.datasets {
-            if d.mix.is_some() {
-                mix_sections.push((name, d));
-                continue;
-            }
-            let dataset = validate_dataset(&name, d, base_dir)?;
-            datasets.insert(name, dataset);
-        }
-        let mut mixes = BTreeMap::new();
-        for (name, d) in mix_sections {
-            let mix = validate_mix(&name, d, &datasets)?;
-            mixes.insert(name, mix);
-        }
+        let (datasets, mixes) = validate_datasets(self.datasets, base_dir)?;
 
         Ok(Config {
             socket: s.socket,
@@ -174,6 +119,83 @@ impl FileConfig {
             mixes,
         })
     }
+}
+
+/// `[host]`: numbers, or `"auto"` (found at start, `host::resolve`), or for the index
+/// `"from-clients"` (learned from the streams).
+fn validate_host(h: &HostSection) -> Result<(Topology, HostAuto), ConfigError> {
+    let auto = |value: &HostValue, key: &str| match value {
+        HostValue::Number(n) => Ok(Some(*n)),
+        HostValue::Word(w) if w == "auto" => Ok(None),
+        HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS && key == "host.index" => {
+            Ok(Some(0))
+        }
+        HostValue::Word(w) if key == "host.index" => Err(invalid(format!(
+            "{key} {w:?} is neither a number, \"auto\" nor \"from-clients\""
+        ))),
+        HostValue::Word(w) => Err(invalid(format!(
+            "{key} {w:?} is neither a number nor \"auto\""
+        ))),
+    };
+    let from_clients =
+        matches!(&h.index, HostValue::Word(w) if w == crate::config::host::FROM_CLIENTS);
+    let (index, count) = (auto(&h.index, "host.index")?, auto(&h.count, "host.count")?);
+    let host_auto = HostAuto {
+        index: index.is_none(),
+        count: count.is_none(),
+        from_clients,
+    };
+    let host = Topology {
+        index: index.unwrap_or(0),
+        count: count.unwrap_or(1),
+    };
+    if !host_auto.count {
+        host.check().map_err(invalid)?;
+    }
+    Ok((host, host_auto))
+}
+
+/// `store.verify`.
+fn validate_verify(text: &str) -> Result<Verify, ConfigError> {
+    Ok(match text {
+        "auto" => Verify::Auto,
+        "size" => Verify::Size,
+        "checksum" => Verify::Checksum,
+        other => {
+            return Err(invalid(format!(
+                "store.verify {other:?} is none of \"auto\", \"size\", \"checksum\""
+            )));
+        }
+    })
+}
+
+/// The datasets and the mixes of them, by name.
+type Datasets = (BTreeMap<String, Dataset>, BTreeMap<String, MixDataset>);
+
+/// The `[datasets.NAME]` sections: datasets first, then the mixes of them.
+fn validate_datasets(
+    sections: BTreeMap<String, DatasetSection>,
+    base_dir: &Path,
+) -> Result<Datasets, ConfigError> {
+    if sections.is_empty() {
+        return Err(invalid("no [datasets.NAME] section: nothing to serve"));
+    }
+    let mut datasets = BTreeMap::new();
+    let mut mix_sections = Vec::new();
+    for (name, d) in sections {
+        if d.mix.is_some() {
+            mix_sections.push((name, d));
+            continue;
+        }
+        let dataset = validate_dataset(&name, d, base_dir)?;
+        datasets.insert(name, dataset);
+    }
+    let mut mixes = BTreeMap::new();
+    for (name, d) in mix_sections {
+        let mix = validate_mix(&name, d, &datasets)?;
+        mixes.insert(name, mix);
+    }
+    Ok((datasets, mixes))
 }
 
 /// A mix names at least two datasets of this config that have manifests (its streams are
