@@ -101,6 +101,20 @@ pub struct Request {
     pub zero_copy: bool,
 }
 
+impl Request {
+    /// What the plan needs of the request: the stream's place in the job and its epoch.
+    pub fn stream_request(&self) -> crate::plan::StreamRequest {
+        crate::plan::StreamRequest {
+            seed: self.seed,
+            epoch: self.epoch,
+            rank: self.rank,
+            world_size: self.world_size,
+            worker: self.worker,
+            num_workers: self.num_workers,
+        }
+    }
+}
+
 fn one() -> u32 {
     1
 }

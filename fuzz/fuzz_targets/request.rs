@@ -19,7 +19,6 @@ use std::time::Instant;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::config::Config;
-use shardd::plan::StreamRequest;
 use shardd::plan::request;
 use shardd::protocol::{MAX_CLIENT_FRAME, Request};
 
@@ -97,14 +96,7 @@ fuzz_target!(|data: &[u8]| {
     if req.op != "stream" && req.op != "plan" || !known(&CONFIGS[0]) {
         return;
     }
-    let stream = StreamRequest {
-        seed: req.seed,
-        epoch: req.epoch,
-        rank: req.rank,
-        world_size: req.world_size,
-        worker: req.worker,
-        num_workers: req.num_workers,
-    };
+    let stream = req.stream_request();
     for config in CONFIGS.iter() {
         let started = Instant::now();
         let (peak, planned) = peak_of(|| {

@@ -274,7 +274,7 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
             ),
         ));
     }
-    let stream_req = stream_request(req);
+    let stream_req = req.stream_request();
     let planned = plan_off_runtime(
         daemon,
         &req.dataset,
@@ -330,17 +330,6 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
         tag_sources: planned.tag_sources,
         start,
     })
-}
-
-fn stream_request(req: &Request) -> StreamRequest {
-    StreamRequest {
-        seed: req.seed,
-        epoch: req.epoch,
-        rank: req.rank,
-        world_size: req.world_size,
-        worker: req.worker,
-        num_workers: req.num_workers,
-    }
 }
 
 /// How a stream ended, for the metrics, the log and the client.
