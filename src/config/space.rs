@@ -247,6 +247,46 @@ pub fn zero_copy_share(config: &Config) -> f64 {
     }
 }
 
+/// How many streams of dataset `d` (whose shards hold `samples` samples in `bytes` bytes)
+/// the cache budget holds at once: a line for `shardd check`, and a warning when not even one
+/// fits (`shardd check` prints it; `shardd serve` logs it at start).
+pub fn streams_line(
+    config: &Config,
+    d: &crate::config::Dataset,
+    samples: u64,
+    bytes: u64,
+) -> (String, Option<String>) {
+    let name = &d.name;
+    let (maps, share) = (config.zero_copy_maps as u64, zero_copy_share(config));
+    let one = working_set(
+        1,
+        d.shuffle_buffer as u64,
+        d.shards.len() as u64,
+        samples,
+        bytes,
+        maps,
+        share,
+    );
+    let max = config.cache_max_bytes;
+    let fits = streams_that_fit(max, &one, maps, share);
+    let line = format!(
+        "dataset {name}: a stream holds {} shards ({} of its shuffle window of {} samples, + 2) of {} bytes on average: {} bytes, {} with zero copy's maps; cache.max_size ({max} bytes) holds {fits} streams at once (shardd plan sizes a whole job)",
+        one.stream_shards,
+        one.window_shards,
+        d.shuffle_buffer,
+        one.shard_bytes,
+        one.bytes,
+        one.min_budget
+    );
+    let warning = (fits == 0).then(|| {
+        format!(
+            "cache.max_size ({max} bytes) is below the working set of one stream of dataset {name} ({} bytes, with zero copy's maps): streams wait for space and fail with cache_full",
+            one.min_budget
+        )
+    });
+    (line, warning)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

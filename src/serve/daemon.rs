@@ -208,6 +208,8 @@ pub async fn open_cache(
 pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), StartError> {
     let parallel = config.max_downloads;
     let host = config.host;
+    // Each dataset's samples and bytes, to size its streams against the budget below.
+    let mut sizes = Vec::new();
     for dataset in config.datasets.values_mut() {
         let Some(source) = dataset.manifest.clone() else {
             continue;
@@ -223,6 +225,11 @@ pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), 
             .map_err(failed)?;
         let loaded = started.elapsed();
         dataset.set_counts(at.iter().map(|&i| manifest.shards[i].samples).collect());
+        sizes.push((
+            dataset.name.clone(),
+            at.iter().map(|&i| manifest.shards[i].samples).sum(),
+            at.iter().map(|&i| manifest.shards[i].version.size).sum(),
+        ));
         let share = crate::plan::warm_shards(dataset.shape(), host);
         let share_at: Vec<usize> = share.iter().map(|&i| at[i]).collect();
         // Only the share: this host reads no other shard, and a million entries cost
@@ -249,6 +256,14 @@ pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), 
             seconds = started.elapsed().as_secs_f64(),
             "manifest checked"
         );
+    }
+    for (name, samples, bytes) in sizes {
+        let dataset = &config.datasets[&name];
+        let (fit, below) = crate::config::space::streams_line(config, dataset, samples, bytes);
+        tracing::info!("{fit}");
+        if let Some(warning) = below {
+            tracing::warn!("{warning}");
+        }
     }
     Ok(())
 }

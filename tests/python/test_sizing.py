@@ -204,3 +204,20 @@ def test_serve_warns_and_the_default_budget_is_a_share_of_the_free_space(make_da
     big = make_daemon(gcs_config(fake_gcs), name="big", cache='max_size = "100PiB"')
     log = wait_for(lambda: big.log_path.read_text(), "the log")
     assert "WARN" in log and f"cache.max_size ({100 << 50} bytes) is more than the whole file system of cache.dir" in log
+
+
+def test_serve_says_at_start_how_many_streams_the_budget_holds(make_daemon, tmp_path, dataset):
+    """The line and the warning of `shardd check`, logged by `shardd serve` once the manifest is
+    read (issue 24: only check and plan said a budget was below one stream's working set)."""
+    pattern, manifest, size = dataset
+    body = f'[datasets.train]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 25\n'
+    one = math.ceil(5 * size / 0.75)
+    for name, budget, fits in (("fits", 20 * size, 3), ("below", one - 1, 0)):
+        d = make_daemon(body, name=name, cache=f'max_size = "{budget}"')
+        log = d.log_path.read_text()
+        assert (f"dataset train: a stream holds 5 shards (3 of its shuffle window of 25 samples, + 2) of {size} "
+                f"bytes on average: {5 * size} bytes, {one} with zero copy's maps; cache.max_size ({budget} bytes) "
+                f"holds {fits} streams at once") in log, log
+        warning = (f"cache.max_size ({budget} bytes) is below the working set of one stream of dataset train "
+                   f"({one} bytes, with zero copy's maps): streams wait for space and fail with cache_full")
+        assert (warning in log) == (fits == 0), log

@@ -100,37 +100,6 @@ pub async fn check_working_set(
         .with_context(|| format!("dataset {name}: reading the manifest {source}"))?;
     let bytes: u64 = at.iter().map(|&i| manifest.shards[i].version.size).sum();
     let samples: u64 = at.iter().map(|&i| manifest.shards[i].samples).sum();
-    let (maps, share) = (
-        config.zero_copy_maps as u64,
-        crate::config::space::zero_copy_share(config),
-    );
-    let one = crate::config::space::working_set(
-        1,
-        d.shuffle_buffer as u64,
-        d.shards.len() as u64,
-        samples,
-        bytes,
-        maps,
-        share,
-    );
-    let max = config.cache_max_bytes;
-    let fits = crate::config::space::streams_that_fit(max, &one, maps, share);
-    let line = format!(
-        "dataset {name}: a stream holds {} shards ({} of its shuffle window of {} samples, + 2) of {} bytes on average: {} bytes, {} with zero copy's maps; cache.max_size ({max} bytes) holds {fits} streams at once (shardd plan sizes a whole job)",
-        one.stream_shards,
-        one.window_shards,
-        d.shuffle_buffer,
-        one.shard_bytes,
-        one.bytes,
-        one.min_budget
-    );
-    let warnings = if fits == 0 {
-        vec![format!(
-            "cache.max_size ({max} bytes) is below the working set of one stream of dataset {name} ({} bytes, with zero copy's maps): streams wait for space and fail with cache_full",
-            one.min_budget
-        )]
-    } else {
-        vec![]
-    };
-    Ok((vec![line], warnings))
+    let (line, warning) = crate::config::space::streams_line(config, d, samples, bytes);
+    Ok((vec![line], warning.into_iter().collect()))
 }
