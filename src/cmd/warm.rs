@@ -1,4 +1,6 @@
-//! `shardd warm`: fills the cache with this host's share ahead of a job, with progress.
+//! `shardd warm`: fills the cache with this host's share ahead of a job, with progress: the
+//! shards its streams will read (with a manifest, the host's share in samples, checked against
+//! the store as the daemon checks it at start).
 
 use std::sync::Arc;
 
@@ -27,6 +29,8 @@ pub async fn run(mut config: Config, only: Option<String>) -> anyhow::Result<()>
         Arc::new(Plans::default()),
     )
     .await?;
+    // A manifest makes the share one in samples (what the streams read), not in shards.
+    crate::serve::daemon::load_manifests(&mut config, cache.stores()).await?;
     let mut problems = Vec::new();
     for dataset in config.datasets.values() {
         if only.as_ref().is_some_and(|n| *n != dataset.name) {

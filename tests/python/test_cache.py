@@ -360,3 +360,28 @@ def test_two_daemons_cannot_share_a_cache_dir(make_daemon, fake_gcs, tmp_path):
     out = subprocess.run([SHARDD, "serve", "--config", str(config)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
     assert f"the cache directory {first.dir / 'cache'} is in use by another shardd (pid {first.proc.pid})" in out.stderr
+
+
+def test_warm_fills_the_share_a_manifest_datasets_streams_read(make_daemon, fake_gcs, train_paths, tmp_path):
+    """With a manifest a host's share is a run of samples of the share order, not every
+    host.count-th shard: `warm` reads the manifest and fills the share the streams read
+    (issue 26: it filled the shard-level share, and the streams fetched half of theirs)."""
+    pattern = f"gs://{BUCKET}/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"
+    store = tmp_path / "store.toml"
+    store.write_text(gcs_config(fake_gcs))
+    manifest = tmp_path / "train.manifest.json"
+    run = subprocess.run([SHARDD, "index", pattern, "-o", str(manifest), "--config", str(store)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    exact = f'[datasets.exact]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 25\n'
+    d = make_daemon(gcs_config(fake_gcs, host_index=1, host_count=2, extra=exact))
+    d.stop()
+    out = subprocess.run([SHARDD, "warm", "--config", str(d.config), "--dataset", "exact"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    d.start()
+    with shardd.Client(d.socket) as c:
+        read_by_host = sum(len(list(c.stream("exact", epoch=e, rank=rank, world_size=4)))
+                           for e in (0, 1) for rank in (2, 3))
+    assert read_by_host > 0
+    assert gets(d) == 0
