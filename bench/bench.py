@@ -12,6 +12,9 @@ Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter
      the daemon and client offer it, the zero-copy path (``Client(zero_copy=True)``);
    - raw Unix-socket bandwidth into this process (recv_into a 1 MiB buffer from a process that
      sends as fast as it can): the ceiling for any socket-based client.
+   Each reader runs twice: taking only each field's length (delivery), and reading every
+   byte of each field (copied into a preallocated buffer, as a collate copies into a tensor:
+   "touched"), as a trainer does; ratios compare readers that read alike.
    Prints samples/s and MB/s (best of --repeat), the ratios, and the daemon's own CPU time
    (utime + stime from /proc/<pid>/stat, all threads) per sample and per GB served: over all
    --repeat runs of each path (/proc counts 10 ms ticks: bench/daemon_profile.py reads many
@@ -87,36 +90,46 @@ def measure(fn):
     return samples / dt, nbytes / dt / 1e6
 
 
-def count(passes, until=None):
+# What a touching consumer copies each field into (as a collate copies into a tensor).
+SINK = memoryview(bytearray(1 << 20))
+
+
+def count(passes, until=None, touch=False):
     """Counts the samples and field bytes of the first of ``passes`` (sample iterables), or
-    with ``until`` (a time.monotonic() deadline) of pass after pass, until then."""
+    with ``until`` (a time.monotonic() deadline) of pass after pass, until then. With
+    ``touch``, every byte of each field is read too (copied into a preallocated buffer), as a
+    trainer reads them: a zero-copy view's pages are faulted in here, not in the daemon."""
     samples = nbytes = 0
     for one_pass in passes:
         for s in one_pass:
             if until is not None and time.monotonic() > until:
                 return samples, nbytes
             samples += 1
-            nbytes += len(s["bin"]) + len(s["cls"])
+            b, c = s["bin"], s["cls"]
+            if touch:
+                SINK[:len(b)] = b
+                SINK[:len(c)] = c
+            nbytes += len(b) + len(c)
         if until is None:
             return samples, nbytes
 
 
-def read_webdataset(paths, until=None):
+def read_webdataset(paths, until=None, touch=False):
     """Reads ``paths`` once, or pass after pass until ``until`` (see ``count``)."""
     names = [str(p) for p in paths]
     return count((wds.WebDataset(names, shardshuffle=False, empty_check=False)
-                  for _ in itertools.count()), until)
+                  for _ in itertools.count()), until, touch)
 
 
 def read_shardd(sock, dataset, zero_copy=False, rank=0, world_size=1, worker=0, num_workers=1,
-                until=None):
+                until=None, touch=False):
     """Reads epoch 0 of one stream, or epoch after epoch until ``until`` (the next opened
     ahead, as shardd.torch does; see ``count``)."""
     opts = {"zero_copy": True} if zero_copy else {}
     with shardd.Client(sock, prefetch_next_epoch=until is not None, **opts) as c:
         return count((c.stream(dataset, epoch=epoch, rank=rank, world_size=world_size,
                                worker=worker, num_workers=num_workers)
-                      for epoch in itertools.count()), until)
+                      for epoch in itertools.count()), until, touch)
 
 
 def zero_copy_offered():
@@ -146,14 +159,10 @@ def litdata_dir(paths, directory):
     return directory
 
 
-def read_litdata(directory):
+def read_litdata(directory, touch=False):
     import litdata
 
-    samples = nbytes = 0
-    for s in litdata.StreamingDataset(str(directory)):
-        samples += 1
-        nbytes += len(s["bin"]) + len(s["cls"])
-    return samples, nbytes
+    return count([litdata.StreamingDataset(str(directory))], touch=touch)
 
 
 # -- the daemon ---------------------------------------------------------------------------
@@ -279,12 +288,15 @@ def main():
                 read_webdataset(paths)  # warm the page cache
                 for zc in paths_zc:
                     read_shardd(sock, name, zc)  # and the daemon's cache
-                readers = [("webdataset", lambda: read_webdataset(paths))]
-                if name in lit:
-                    readers.append(("litdata", lambda: read_litdata(lit[name])))
-                for zc in paths_zc:
-                    readers.append(("shardd zero-copy" if zc else "shardd",
-                                    lambda zc=zc: read_shardd(sock, name, zc)))
+                readers = []
+                for touch in (False, True):
+                    t = ", touched" if touch else ""
+                    readers.append((f"webdataset{t}", lambda touch=touch: read_webdataset(paths, touch=touch)))
+                    if name in lit:
+                        readers.append((f"litdata{t}", lambda touch=touch: read_litdata(lit[name], touch)))
+                    for zc in paths_zc:
+                        readers.append((("shardd zero-copy" if zc else "shardd") + t,
+                                        lambda zc=zc, touch=touch: read_shardd(sock, name, zc, touch=touch)))
                 best = {label: (0, 0) for label, _ in readers}
                 for _ in range(args.repeat):
                     for label, fn in readers:
@@ -323,7 +335,7 @@ def main():
             proc.wait()
 
     print(f"\n1. one consumer (best of {args.repeat}; daemon CPU: over all {args.repeat} runs)")
-    print(f"{'dataset':8} {'reader':17} {'samples/s':>11} {'MB/s':>8} {'daemon us/sample':>17} {'daemon CPU-s/GB':>16}")
+    print(f"{'dataset':8} {'reader':26} {'samples/s':>11} {'MB/s':>8} {'daemon us/sample':>17} {'daemon CPU-s/GB':>16}")
     for name, best in rows.items():
         for label, (sps, mbs) in best.items():
             c = cpu.get((name, label))
@@ -332,17 +344,19 @@ def main():
             used, samples, nbytes = (sum(x[i] for x in c) for i in range(3)) if c else (0, 1, 1)
             us = f"{1e6 * used / samples:17.2f}" if c else f"{'':17}"
             gb = f"{used / nbytes * 1e9:16.3f} ({round(used * TICK)} ticks)" if c else ""
-            print(f"{name:8} {label:17} {sps:11.0f} {mbs:8.0f} {us} {gb}")
-    print(f"{'':8} {'raw socket':17} {'':>11} {raw_best:8.0f}")
+            print(f"{name:8} {label:26} {sps:11.0f} {mbs:8.0f} {us} {gb}")
+    print(f"{'':8} {'raw socket':26} {'':>11} {raw_best:8.0f}")
     print()
     for name, best in rows.items():
-        w = best["webdataset"]
         for label, s in best.items():
             if not label.startswith("shardd"):
                 continue
-            line = f"{name}: {label}/webdataset = {s[0] / w[0]:.1f}x samples/s, {s[1] / w[1]:.1f}x MB/s"
-            if "litdata" in best:
-                line += f"; /litdata = {s[0] / best['litdata'][0]:.2f}x samples/s"
+            # Against the baseline that reads the same way (touched or not).
+            t = ", touched" if label.endswith(", touched") else ""
+            w = best["webdataset" + t]
+            line = f"{name}: {label}/webdataset{t} = {s[0] / w[0]:.1f}x samples/s, {s[1] / w[1]:.1f}x MB/s"
+            if "litdata" + t in best:
+                line += f"; /litdata{t} = {s[0] / best['litdata' + t][0]:.2f}x samples/s"
             print(f"{line}; /raw socket = {100 * s[1] / raw_best:.0f}%")
     if many:
         print(f"\n2. {args.consumers} consumers at once (shardd: {args.consumers // 2} ranks x 2 workers; best of {args.repeat})")
