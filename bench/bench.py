@@ -91,7 +91,14 @@ def measure(fn):
 
 
 # What a touching consumer copies each field into (as a collate copies into a tensor).
-SINK = memoryview(bytearray(1 << 20))
+SINK = [memoryview(bytearray(1 << 20))]
+
+
+def touch_bytes(field):
+    """Reads every byte of ``field``: copies it into the preallocated buffer (grown if needed)."""
+    if len(field) > len(SINK[0]):
+        SINK[0] = memoryview(bytearray(len(field)))
+    SINK[0][:len(field)] = field
 
 
 def count(passes, until=None, touch=False):
@@ -107,8 +114,8 @@ def count(passes, until=None, touch=False):
             samples += 1
             b, c = s["bin"], s["cls"]
             if touch:
-                SINK[:len(b)] = b
-                SINK[:len(c)] = c
+                touch_bytes(b)
+                touch_bytes(c)
             nbytes += len(b) + len(c)
         if until is None:
             return samples, nbytes
