@@ -45,7 +45,9 @@ impl Stores {
             let (asked, hint) = match &b.probe {
                 Probe::Nothing => return Ok(()),
                 Probe::Gcs { provider, section } => (
-                    ask(provider.get_credential(), timeout).await,
+                    ask(provider.get_credential(), timeout)
+                        .await
+                        .map_err(naming_the_metadata_servers),
                     if *section { GCS_SECTION_HINT } else { GCS_HINT },
                 ),
                 Probe::S3(provider) => (ask(provider.get_credential(), timeout).await, S3_HINT),
@@ -75,6 +77,29 @@ async fn ask<T>(
             "the credential source did not answer within {timeout:?} (store.credentials_timeout)"
         )),
     }
+}
+
+/// A GCS cause from the instance provider, with the addresses it asked: object_store asks
+/// the metadata host and, when that fails, the metadata IP, and reports only the second
+/// failure, so an operator who set `GCE_METADATA_HOST` would read only the default IP.
+fn naming_the_metadata_servers(cause: String) -> String {
+    if !cause.contains("computeMetadata") {
+        return cause; // a key file or gcloud's application-default credentials
+    }
+    let var = |name: &str| std::env::var(name).ok(); // as object_store reads them
+    let (host, host_from) = match (var("GCE_METADATA_HOST"), var("GCE_METADATA_ROOT")) {
+        (Some(h), _) => (h, "GCE_METADATA_HOST"),
+        (None, Some(h)) => (h, "GCE_METADATA_ROOT"),
+        (None, None) => ("metadata.google.internal".into(), "the default"),
+    };
+    let (ip, ip_from) = match var("GCE_METADATA_IP") {
+        Some(ip) => (ip, "GCE_METADATA_IP"),
+        None => ("169.254.169.254".into(), "the default"),
+    };
+    format!(
+        "asked the metadata server at {host} ({host_from}), then at {ip} ({ip_from}); \
+         the last answer: {cause}"
+    )
 }
 
 /// An error and its causes on one line (object_store's own message leaves out the cause

@@ -145,6 +145,24 @@ def test_check_without_credentials_fails_within_seconds(tmp_path, metadata):
         assert server.asked <= 6, server.asked
 
 
+def test_the_line_names_both_metadata_addresses_asked(tmp_path):
+    """object_store asks GCE_METADATA_HOST, then GCE_METADATA_IP, and reports only the last
+    failure: the line names both addresses and where each came from, so an operator who set
+    GCE_METADATA_HOST does not read only the default IP."""
+    host, ip = closed_port(), closed_port()
+    env = no_credentials_env(tmp_path, host)
+    env["GCE_METADATA_IP"] = ip
+    config = write_config(tmp_path, f"[datasets.train]\nshards = {SHARDS}\n")
+    out, took = run(["check", "--config", str(config)], env)
+    assert out.returncode == 1 and took < 30, (took, out.stderr)
+    assert_one_line(
+        out.stderr, f"gs://{BUCKET}", GCS_HINT,
+        f"asked the metadata server at {host} (GCE_METADATA_HOST), then at {ip} (GCE_METADATA_IP); "
+        f"the last answer: ",
+    )
+    assert f"http://{ip}/computeMetadata" in out.stderr, out.stderr
+
+
 def test_a_silent_metadata_server_is_given_up_on_after_credentials_timeout(tmp_path):
     server = Metadata(status=None)
     try:
