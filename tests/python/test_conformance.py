@@ -138,7 +138,11 @@ def digest_fields(fields):
 
 def digest(sample):
     """What a cell compares: key, source (a mix's), and each field's MD5. Runs in the reader's
-    process (a DataLoader worker's collate: a zero-copy memoryview never crosses a queue)."""
+    process (a DataLoader worker's collate: a zero-copy memoryview never crosses a queue).
+    Every reader asks for ``__seed__``: in every cell it must be the pure function of (seed,
+    epoch, URL, key), whatever the mode, delivery, reader or event (a resume, a resize)."""
+    want = shardd.sample_seed(SEED, EPOCH, sample["__url__"], sample["__key__"])
+    assert sample["__seed__"] == want, f"{sample['__key__']}: __seed__ {sample['__seed__']}, not {want}"
     return (sample["__key__"], sample.get("__source__"), digest_fields(sample))
 
 
@@ -147,7 +151,7 @@ def digest(sample):
 
 def client_reader(d, mode, zero_copy, rank, event, resume=False, **kw):
     out = []
-    with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+    with shardd.Client(d.socket, zero_copy=zero_copy, sample_seeds=True) as c:
         s = c.stream(mode, epoch=EPOCH, rank=rank, world_size=WORLD, seed=SEED, **kw)
         for x in s:
             out.append(digest(x))
@@ -170,7 +174,8 @@ def torch_reader(d, mode, zero_copy, rank, event, resume=False, stateful=False):
 
     def loader(state=None):
         ds = st.ShardDataset(mode, socket=str(d.socket), rank=rank, world_size=WORLD, seed=SEED,
-                             epoch=EPOCH, zero_copy=zero_copy, prefetch_next_epoch=False)
+                             epoch=EPOCH, zero_copy=zero_copy, prefetch_next_epoch=False,
+                             sample_seeds=True)
         cls = StatefulDataLoader if stateful else torch.utils.data.DataLoader
         dl = cls(ds, batch_size=None, num_workers=2, collate_fn=digest)
         if state is not None:
@@ -196,7 +201,8 @@ def grain_reader(d, mode, zero_copy, rank, event, resume=False):
 
     def make():
         return iter(sg.ShardDataset(mode, socket=str(d.socket), rank=rank, world_size=WORLD, seed=SEED,
-                                    epoch=EPOCH, zero_copy=zero_copy, num_epochs=1))
+                                    epoch=EPOCH, zero_copy=zero_copy, num_epochs=1,
+                                    sample_seeds=True))
 
     out = []
     it = make()
@@ -333,14 +339,14 @@ def elastic_cell(d, mode, delivery, data):
         "resampled": "a resampled dataset has no remainder to redistribute",
     }
     if mode in refusals:
-        with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+        with shardd.Client(d.socket, zero_copy=zero_copy, sample_seeds=True) as c:
             with pytest.raises(shardd.DaemonError) as e:
                 c.stream(mode, epoch=EPOCH, rank=0, world_size=1, seed=SEED, resume_from=origin)
         assert e.value.code == "bad_topology" and refusals[mode] in str(e.value), str(e.value)
         return "refused"
     full = {r: client_reader(d, mode, zero_copy, r, lambda n: None) for r in range(WORLD)}
     consumed = [k for r in full.values() for k, _, _ in r[:AT]]
-    with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+    with shardd.Client(d.socket, zero_copy=zero_copy, sample_seeds=True) as c:
         s = c.stream(mode, epoch=EPOCH, rank=0, world_size=1, seed=SEED, resume_from=origin)
         rest = [digest(x) for x in s]
     got = consumed + [k for k, _, _ in rest]
@@ -417,7 +423,7 @@ def test_zero_copy_in_a_cache_of_a_few_shards_reads_what_the_socket_path_reads(m
             Trigger(d, "budget")(AT)
 
     got = []
-    with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+    with shardd.Client(d.socket, zero_copy=zero_copy, sample_seeds=True) as c:
         for x in c.stream("manifest", epoch=0, rank=0, world_size=1, seed=SEED):
             got.append(digest(x))
             watch_maps(len(got))

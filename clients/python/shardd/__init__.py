@@ -14,6 +14,7 @@ from .client import (
     UnavailableError,
     VersionError,
 )
+from ._seeds import sample_seed
 
 __all__ = [
     "Client",
@@ -28,6 +29,7 @@ __all__ = [
     "PlanChangedError",
     "ForkedStreamError",
     "VersionError",
+    "sample_seed",
 ]
 # The one version: the crate's (Cargo.toml). tests/python/test_wheel.py checks that this, the
 # wheel's metadata, `shardd --version` and clients/python/pyproject.toml agree.

@@ -14,6 +14,7 @@ from ._fork import register_fork_hook, unregister_fork_hook
 from ._frames import FrameReader
 from ._readahead import ReadingAhead
 from ._reconnect import RECONNECT_TIMEOUT, Reconnecting
+from ._seeds import add_seeds
 from ._zerocopy import ZeroCopy
 
 
@@ -43,8 +44,10 @@ class Stream(ReadingAhead, Reconnecting):
 
     def __init__(self, socket_path, request, timeout=None, on_close=None,
                  reconnect_timeout=RECONNECT_TIMEOUT, readahead=0, prefetch=None,
-                 speculative=False, eager=False):
+                 speculative=False, eager=False, sample_seeds=False):
         self._closed = False
+        # ``__seed__`` on every sample (``_seeds``): computed here, never sent.
+        self._sample_seeds = sample_seeds
         self._on_close = on_close
         self._frames = FrameReader(socket_path)
         self._zero_copy = ZeroCopy(socket_path)
@@ -125,6 +128,8 @@ class Stream(ReadingAhead, Reconnecting):
                 raise StopIteration
             # Every sample of it will be yielded: a reconnect resumes after it.
             self._base += len(batch)
+            if self._sample_seeds:
+                add_seeds(batch, self._request["seed"], self._request["epoch"])
             return batch
 
     @property

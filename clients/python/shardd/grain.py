@@ -64,7 +64,8 @@ class ShardDataset(grain.IterDataset):
     seed, the same on every rank. ``epoch``: the first epoch; ``num_epochs``: how many an
     iterator reads (None: without end). ``num_streams``: daemon streams this process reads at
     once, each in a thread (more streams: more shards read and parsed in parallel by the
-    daemon, a deeper read-ahead). ``timeout``, ``reconnect_timeout``, ``zero_copy``: as for
+    daemon, a deeper read-ahead). ``timeout``, ``reconnect_timeout``, ``zero_copy``,
+    ``sample_seeds`` (each sample's ``__seed__``, for ``random_map``-like augmentation): as for
     ``Client`` (with zero copy, fields over 4 KiB are read-only memoryviews of the daemon's
     cache files: a pipeline's first ``map`` should turn them into arrays).
 
@@ -73,7 +74,7 @@ class ShardDataset(grain.IterDataset):
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
                  num_epochs=1, num_streams=1, timeout=None,
-                 reconnect_timeout=RECONNECT_TIMEOUT, zero_copy=False):
+                 reconnect_timeout=RECONNECT_TIMEOUT, zero_copy=False, sample_seeds=False):
         super().__init__()
         if rank is None or world_size is None:
             jax_rank, jax_world = _jax_topology()
@@ -92,6 +93,7 @@ class ShardDataset(grain.IterDataset):
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.zero_copy = bool(zero_copy)
+        self.sample_seeds = bool(sample_seeds)
         # mp_prefetch's worker slice (set_slice): this process reads the streams whose index
         # is slice_start mod slice_step, of num_streams * slice_step in all.
         self._slice = (0, 1)
@@ -238,7 +240,7 @@ class ShardDatasetIterator(grain.DatasetIterator):
                               world_size=ds.world_size, num_workers=self._num_workers,
                               workers=list(self._workers))
         self._client = Client(ds.socket, ds.timeout, ds.reconnect_timeout, prefetch_next_epoch=True,
-                              zero_copy=ds.zero_copy)
+                              zero_copy=ds.zero_copy, sample_seeds=ds.sample_seeds)
         self._end_epoch = None if ds.num_epochs is None else ds.epoch + ds.num_epochs
         self._readers = None
         self._reset(ds.epoch)

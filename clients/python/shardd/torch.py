@@ -276,7 +276,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
     4 KiB as read-only ``memoryview``s of the daemon's mapped cache files (``shardd.Client``).
     Give the DataLoader a ``collate_fn`` that takes them (``torch.frombuffer``, a decoder):
     torch's default conversion turns a memoryview into a list of ints, and a memoryview cannot
-    be pickled from a worker process to the trainer's.
+    be pickled from a worker process to the trainer's. ``sample_seeds`` (default False): each
+    sample also has ``__seed__``, the same for the same sample in the same epoch whatever the
+    topology, resume or resize (``shardd.Client``): seed its augmentations from it.
 
     Yields webdataset-shaped dicts: ``{"__key__": str, "__url__": str, field: bytes, ...}``.
     There is no ``__len__``: see ``epoch_length``.
@@ -284,10 +286,11 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
                  timeout=None, check_plan=True, reconnect_timeout=RECONNECT_TIMEOUT,
-                 resume_from=None, prefetch_next_epoch=True, zero_copy=False):
+                 resume_from=None, prefetch_next_epoch=True, zero_copy=False, sample_seeds=False):
         super().__init__()
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self.zero_copy = bool(zero_copy)
+        self.sample_seeds = bool(sample_seeds)
         self.dataset = str(dataset)
         self.socket = str(socket or os.environ.get("SHARDD_SOCKET") or DEFAULT_SOCKET)
         self.seed = int(seed)
@@ -369,7 +372,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         if cached is None or cached[0] != os.getpid():
             cached = (os.getpid(), Client(self.socket, self.timeout, self.reconnect_timeout,
                                           prefetch_next_epoch=self.prefetch_next_epoch,
-                                          zero_copy=self.zero_copy))
+                                          zero_copy=self.zero_copy,
+                                          sample_seeds=self.sample_seeds))
             self._client_of = cached
         return cached[1]
 
