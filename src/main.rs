@@ -94,6 +94,22 @@ enum Command {
         #[arg(long)]
         limit: Option<u64>,
     },
+    /// Write shards' bytes to stdout from the host daemon's cache: one download per host for
+    /// every process that asks, later epochs from local disk. For webdataset's `pipe:` URLs:
+    /// `pipe:shardd get gs://bucket/train-000000.tar` in place of `pipe:gsutil cat ...`. Only
+    /// shards of the daemon's configured datasets. This gives each shard's samples in tar
+    /// order, no more: shuffled, exact, equal-length streams and resumes need `ShardDataset`.
+    Get {
+        /// Shard URLs, exactly as a configured dataset's `shards` expand.
+        #[arg(required = true)]
+        urls: Vec<String>,
+        /// The daemon's socket [default: $SHARDD_SOCKET, else /run/shardd/shardd.sock].
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Seconds to wait for a daemon that is away, restarting or busy, per shard.
+        #[arg(long, default_value_t = 300.0)]
+        wait: f64,
+    },
     /// Serve a synthetic dataset through the whole daemon, read and verify one epoch.
     Demo,
     /// Print what every host of a job reads in one epoch (samples, shards, bytes from the
@@ -168,6 +184,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             logs.with_ansi(std::io::stderr().is_terminal()).init()
         }
     }
+    if let Command::Get { urls, socket, wait } = &cli.command {
+        // Run once per shard by a trainer's pipe: no runtime, no threads.
+        let socket = socket.clone().unwrap_or_else(|| {
+            std::env::var_os("SHARDD_SOCKET")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("/run/shardd/shardd.sock"))
+        });
+        let wait = std::time::Duration::try_from_secs_f64(*wait)
+            .map_err(|_| anyhow::anyhow!("--wait {wait}: not a number of seconds"))?;
+        return shardd::cmd::get::run(&socket, urls, wait);
+    }
     let runtime = tokio::runtime::Runtime::new()?;
     match cli.command {
         Command::Serve { config } => {
@@ -208,6 +235,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             runtime.block_on(cat(socket, req, limit))
         }
+        Command::Get { .. } => unreachable!("served above"),
         Command::Demo => runtime.block_on(shardd::cmd::demo::run()),
         Command::Status { url } => runtime.block_on(status(&url)),
         Command::Plan { config, args } => runtime.block_on(plan_report::run(&config, args)),

@@ -16,7 +16,7 @@ use crate::shard::Sample;
 
 /// First bytes each side sends: magic, then the protocol version (u16, little-endian).
 pub const MAGIC: &[u8; 6] = b"SHARDD";
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// The oldest client version the daemon still serves (version 1 has no `start`).
 pub const OLDEST_VERSION: u16 = 1;
 pub const PREAMBLE_LEN: usize = 8;
@@ -113,6 +113,35 @@ impl Request {
             num_workers: self.num_workers,
         }
     }
+}
+
+/// REQUEST with `op` "get" (version 6): one shard's whole bytes from the host's cache, for
+/// `shardd get` (webdataset's `pipe:` URLs). The answer is a [`GetStart`], then a MAP frame
+/// carrying the committed cache file's descriptor, then END.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GetRequest {
+    pub op: String,
+    /// The shard's URL, exactly as a configured dataset lists it.
+    pub url: String,
+}
+
+/// START of a `get`: the shard and its length in bytes (the cache file's: a compressed shard's
+/// decompressed tar).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GetStart {
+    pub url: String,
+    pub bytes: u64,
+}
+
+/// The `op` of a REQUEST body, read before the body is parsed as the op's own request type
+/// (None when the body is not a JSON object with a string `op`).
+pub fn op_of(body: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Op {
+        op: String,
+    }
+    serde_json::from_slice::<Op>(body).ok().map(|o| o.op)
 }
 
 fn one() -> u32 {

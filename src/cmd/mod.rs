@@ -1,6 +1,7 @@
 //! The commands other than `serve`: each runs the stages below it once and exits.
 
 pub mod demo;
+pub mod get;
 pub mod index;
 pub mod plan_report;
 pub mod units;

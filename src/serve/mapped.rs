@@ -355,7 +355,11 @@ fn unmap_frame(ids: &[u32]) -> Vec<u8> {
     frame
 }
 
-fn send_with_fd(sock: &UnixStream, data: &[u8], fd: Option<&OwnedFd>) -> std::io::Result<usize> {
+pub(crate) fn send_with_fd(
+    sock: &UnixStream,
+    data: &[u8],
+    fd: Option<&OwnedFd>,
+) -> std::io::Result<usize> {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut anc = SendAncillaryBuffer::new(&mut space);

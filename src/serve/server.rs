@@ -107,12 +107,12 @@ pub async fn run(listener: UnixListener, daemon: Arc<Daemon>, shutdown: Cancella
 }
 
 /// Why a connection ends with an ERROR frame.
-struct Refusal {
-    code: &'static str,
-    message: String,
+pub(crate) struct Refusal {
+    pub(crate) code: &'static str,
+    pub(crate) message: String,
 }
 
-fn refuse(code: &'static str, message: impl Into<String>) -> Refusal {
+pub(crate) fn refuse(code: &'static str, message: impl Into<String>) -> Refusal {
     Refusal {
         code,
         message: message.into(),
@@ -191,13 +191,19 @@ async fn serve(
     preamble_sent: &mut bool,
 ) -> Result<(), Refusal> {
     let timeout = daemon.config.handshake_timeout;
-    let req = match tokio::time::timeout(timeout, handshake(rd, wr, preamble_sent)).await {
+    let incoming = match tokio::time::timeout(timeout, handshake(rd, wr, preamble_sent)).await {
         Ok(r) => r?,
         Err(_) => {
             return Err(refuse(
                 "bad_handshake",
                 format!("no complete request within server.handshake_timeout ({timeout:?})"),
             ));
+        }
+    };
+    let req = match incoming {
+        Incoming::Stream(req) => req,
+        Incoming::Get(get) => {
+            return crate::serve::get::serve(rd, wr, daemon, shutdown, &get).await;
         }
     };
     // host.index = "from-clients": the daemon of the host this request's rank is on.
@@ -551,7 +557,7 @@ async fn handshake(
     rd: &mut tokio::net::unix::OwnedReadHalf,
     wr: &mut tokio::net::unix::OwnedWriteHalf,
     preamble_sent: &mut bool,
-) -> Result<Request, Refusal> {
+) -> Result<Incoming, Refusal> {
     let io = |e: std::io::Error| refuse("bad_handshake", format!("reading the handshake: {e}"));
     let mut theirs = [0u8; protocol::PREAMBLE_LEN];
     rd.read_exact(&mut theirs).await.map_err(io)?;
@@ -590,6 +596,17 @@ async fn handshake(
             format!("expected a REQUEST frame (kind 1), got kind {kind}"),
         ));
     }
+    if protocol::op_of(&body).as_deref() == Some("get") {
+        if version < 6 {
+            return Err(refuse(
+                "bad_request",
+                format!("op \"get\" needs protocol 6; the client said it speaks {version}"),
+            ));
+        }
+        let req = serde_json::from_slice(&body)
+            .map_err(|e| refuse("bad_request", format!("invalid request: {e}")))?;
+        return Ok(Incoming::Get(req));
+    }
     let req: Request = serde_json::from_slice(&body)
         .map_err(|e| refuse("bad_request", format!("invalid request: {e}")))?;
     if req.op == "plan" && version < 3 {
@@ -614,18 +631,24 @@ async fn handshake(
         return Err(refuse(
             "bad_request",
             format!(
-                "unknown op {:?}; protocol {} has \"stream\" and \"plan\"",
+                "unknown op {:?}; protocol {} has \"stream\", \"plan\" and \"get\"",
                 req.op,
                 protocol::VERSION
             ),
         ));
     }
-    Ok(req)
+    Ok(Incoming::Stream(req))
+}
+
+/// A request as the handshake read it: a stream (or its plan), or one shard's bytes.
+enum Incoming {
+    Stream(Request),
+    Get(protocol::GetRequest),
 }
 
 /// Resolves when the client closes its side or sends anything after its request (which
 /// protocol 1 does not allow): either way the stream has no reader left to serve.
-async fn client_gone(rd: &mut tokio::net::unix::OwnedReadHalf) {
+pub(crate) async fn client_gone(rd: &mut tokio::net::unix::OwnedReadHalf) {
     let mut buf = [0u8; 64];
     let _ = rd.read(&mut buf).await;
 }

@@ -131,9 +131,13 @@ def test_daemon_names_a_client_too_old_or_too_new(daemon):
         "<IB", len(elastic), 1) + elastic.encode()))
     assert err == {"code": "bad_request",
                    "message": "resume_from needs protocol 4; the client said it speaks 3"}
-    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x06\x00" + frame))
+    get = json.dumps({"op": "get", "url": "/no/such.tar"}).encode()
+    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x05\x00" + struct.pack("<IB", len(get), 1) + get))
+    assert err == {"code": "bad_request",
+                   "message": 'op "get" needs protocol 6; the client said it speaks 5'}
+    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x07\x00" + frame))
     assert err == {"code": "unsupported_version", "message":
-                   f"client speaks protocol 6; this daemon speaks 1 to 5 (shardd "
+                   f"client speaks protocol 7; this daemon speaks 1 to 6 (shardd "
                    f"{crate_version()}): upgrade the daemon"}
     # The same plan request at protocol 3 is served.
     with shardd.Client(daemon.socket) as c:
