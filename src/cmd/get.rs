@@ -31,16 +31,26 @@ const GET_VERSION: u16 = 6;
 pub fn run(socket: &Path, urls: &[String], wait: Duration) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     for url in urls {
-        let (file, len) = fetch(socket, url, wait)?;
-        copy(&file, len, &mut stdout).with_context(|| format!("{url}: writing to stdout"))?;
+        let got = fetch(socket, url, wait)?;
+        copy(&got.file, got.len, &mut stdout)
+            .with_context(|| format!("{url}: writing to stdout"))?;
+        // Closing the connection unpins the cache entry: only now that the copy is done.
+        drop(got.conn);
     }
     Ok(())
 }
 
-/// A shard's cache file from the daemon (a read-only descriptor) and its length, waiting for
-/// the daemon up to `wait`. The connection is closed before it returns: the copy below reads
-/// the descriptor, which stays valid whatever the daemon does.
-fn fetch(socket: &Path, url: &str, wait: Duration) -> anyhow::Result<(std::fs::File, u64)> {
+/// A shard's cache file from the daemon: a read-only descriptor, its length, and the connection
+/// whose lifetime pins the cache entry (the daemon does not evict the file while it is open).
+/// The descriptor stays valid whatever the daemon does, so a restart cannot cut the copy.
+struct Got {
+    file: std::fs::File,
+    len: u64,
+    conn: UnixStream,
+}
+
+/// [`Got`] for `url`, waiting for the daemon up to `wait`.
+fn fetch(socket: &Path, url: &str, wait: Duration) -> anyhow::Result<Got> {
     let deadline = Instant::now() + wait;
     let mut warned = false;
     loop {
@@ -74,7 +84,7 @@ enum Failure {
     Away(anyhow::Error),
 }
 
-fn ask(socket: &Path, url: &str) -> Result<(std::fs::File, u64), Failure> {
+fn ask(socket: &Path, url: &str) -> Result<Got, Failure> {
     let away = |e: std::io::Error| Failure::Away(e.into());
     let mut conn = UnixStream::connect(socket).map_err(away)?;
     let mut hello = protocol::preamble().to_vec();
@@ -122,7 +132,11 @@ fn ask(socket: &Path, url: &str) -> Result<(std::fs::File, u64), Failure> {
         let e = anyhow::anyhow!("START said {} bytes, MAP {len}", start.bytes);
         return Err(Failure::Refused(e));
     }
-    Ok((std::fs::File::from(file), len))
+    Ok(Got {
+        file: std::fs::File::from(file),
+        len,
+        conn,
+    })
 }
 
 fn read_frame(conn: &mut UnixStream) -> std::io::Result<(u8, Vec<u8>)> {

@@ -11,7 +11,7 @@ import webdataset as wds
 
 from conftest import (
     BUCKET, SHARDD, TRAIN_SHARDS, bytes_on_disk, error_frame, gcs_config, raw_exchange,
-    reference_samples,
+    reference_samples, wait_for,
 )
 
 RECORD = 4096  # the cache's per-entry allowance (test_cache.py)
@@ -137,3 +137,23 @@ def test_a_malformed_get_is_refused_and_the_daemon_serves_on(make_daemon, fake_g
         err = error_frame(raw_exchange(d.socket, b"SHARDD\x06\x00" + struct.pack("<IB", len(raw), 1) + raw))
         assert err["code"] == "bad_request" and err["message"].startswith(message), err
     assert get(d, url(4)).stdout == train_paths[4].read_bytes()
+
+
+def test_the_shard_stays_pinned_until_its_copy_is_done(make_daemon, fake_gcs, shard_dir):
+    """A consumer that has not read the shard yet (a webdataset pipe is read as the tar is
+    parsed) keeps it pinned: the daemon does not evict a file that is still being copied,
+    so its blocks never sit on disk beside the budget."""
+    d = make_daemon(gcs_config(fake_gcs))
+    big = shard_dir / BUCKET / "big" / "big-0.tar"  # 8 MiB: far more than a pipe holds
+    p = subprocess.Popen([SHARDD, "get", "--socket", str(d.socket), f"gs://{BUCKET}/big/big-0.tar"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: d.metric("shardd_cache_pinned_bytes") > 0, "the shard to be pinned")
+        first = p.stdout.read(1 << 16)  # the copy is under way, stuck on the full pipe
+        assert d.metric("shardd_cache_pinned_bytes") >= big.stat().st_size
+        rest = p.stdout.read()
+        assert p.wait(timeout=60) == 0, p.stderr.read()
+    finally:
+        p.kill()
+    assert first + rest == big.read_bytes()
+    wait_for(lambda: d.metric("shardd_cache_pinned_bytes") == 0, "the pin to go once the copy is done")
