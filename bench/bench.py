@@ -22,7 +22,8 @@ Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter
 
 2. --consumers processes at once (default 16: 8 ranks x 2 DataLoader-style workers) on the
    same cores: webdataset with each process reading its share of the shards, against shardd
-   with each process reading its own stream (both paths). Total samples/s and MB/s from the
+   with each process reading its own stream (both paths); each delivering only, then touching
+   every byte, as in part 1. Total samples/s and MB/s from the
    first start to the last end, best of --repeat. Each shardd consumer's stream is short
    (1/16 of the set), so opening it (a few ms: connect, fill the first shuffle window) is a
    large part of one epoch here, unlike in training: each is measured reading one epoch, and
@@ -230,22 +231,23 @@ def cpu_seconds(pid):
 
 # -- many consumers -----------------------------------------------------------------------
 
-def _consume(fn, args, seconds, ready, go, out):
+def _consume(fn, args, kwargs, seconds, ready, go, out):
     ready.release()
     go.wait()
     t = time.perf_counter()
-    samples, nbytes = fn(*args, **({"until": time.monotonic() + seconds} if seconds else {}))
+    samples, nbytes = fn(*args, **kwargs, **({"until": time.monotonic() + seconds} if seconds else {}))
     out.put((samples, nbytes, t, time.perf_counter()))
 
 
 def measure_many(jobs, seconds=None):
-    """Runs ``jobs`` ((fn, args) pairs) in as many processes at once (forked, started
+    """Runs ``jobs`` ((fn, args, kwargs)) in as many processes at once (forked, started
     together); returns total samples/s and MB/s from the first start to the last end, and that
     time: of one pass each, or with ``seconds``, of what each read in that long (pass after
     pass)."""
     ctx = multiprocessing.get_context("fork")
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_consume, args=(fn, args, seconds, ready, go, out)) for fn, args in jobs]
+    procs = [ctx.Process(target=_consume, args=(fn, args, kwargs, seconds, ready, go, out))
+             for fn, args, kwargs in jobs]
     for p in procs:
         p.start()
     for _ in procs:
@@ -319,14 +321,19 @@ def main():
                 rows[name] = best
                 if args.consumers:
                     n = args.consumers
-                    wd = [(read_webdataset, (paths[i::n],)) for i in range(n)]
-                    runs = [("webdataset", wd, None)] + [
-                        ("shardd zero-copy" if zc else "shardd",
-                         [(read_shardd, (sock, name, zc, i // 2, n // 2, i % 2, 2)) for i in range(n)], None)
-                        for zc in paths_zc]
-                    if args.many_seconds:
-                        runs += [(f"{label}, {args.many_seconds:g} s", jobs, args.many_seconds)
-                                 for label, jobs, _ in list(runs)]
+                    runs = []
+                    # Every reader delivering only (len()), then touching every byte; each one
+                    # epoch, then (--many-seconds) for that long. Labels end with what the run
+                    # did, and a row's ratio is against webdataset's run that did the same.
+                    for seconds in [None] + ([args.many_seconds] if args.many_seconds else []):
+                        for touch in (False, True):
+                            how = (f", {seconds:g} s" if seconds else "") + (", touched" if touch else "")
+                            kw = {"touch": touch}
+                            runs.append((f"webdataset{how}", [(read_webdataset, (paths[i::n],), kw)
+                                                              for i in range(n)], seconds))
+                            runs += [(("shardd zero-copy" if zc else "shardd") + how,
+                                      [(read_shardd, (sock, name, zc, i // 2, n // 2, i % 2, 2), kw)
+                                       for i in range(n)], seconds) for zc in paths_zc]
                     many[name] = {label: (0, 0, 0) for label, _, _ in runs}
                     for _ in range(args.repeat):
                         for label, jobs, seconds in runs:
@@ -370,11 +377,11 @@ def main():
         for name, r in many.items():
             print(f"{name}:")
             for label, s in r.items():
-                timed = label.partition(", ")[2]
-                w = r["webdataset" + (f", {timed}" if timed else "")]
+                how = label.partition(", ")[2]
+                w = r["webdataset" + (f", {how}" if how else "")]
                 ratio = "" if label.startswith("webdataset") else (
                     f" = {s[0] / w[0]:5.1f}x; daemon CPU {100 * s[2]:3.0f}% of the {CORES} cores")
-                print(f"    {label:28} {s[0]:8.0f} samples/s {s[1]:6.0f} MB/s{ratio}")
+                print(f"    {label:36} {s[0]:8.0f} samples/s {s[1]:6.0f} MB/s{ratio}")
 
 
 if __name__ == "__main__":
