@@ -31,7 +31,7 @@ from conftest import SHARDD, reference_samples, wait_for
 
 MODES = ["shards", "manifest", "mix", "resampled", "tgz", "zst"]
 DELIVERIES = ["socket", "zero_copy"]
-READERS = ["client", "torch", "stateful", "grain"]
+READERS = ["client", "torch", "stateful", "grain", "pipe"]
 EVENTS = ["none", "pause", "slow", "kill9", "restart", "resume", "elastic", "budget", "deleted"]
 
 SHARDS, PER_SHARD = 24, 20
@@ -45,7 +45,12 @@ SHARD_BYTES = PER_SHARD * 100_000
 
 def applies(mode, delivery, reader, event):
     """Whether a cell means something. An elastic resume is a Client's request (the adapters
-    resume at their own topology); only the stateful readers save a state to resume from."""
+    resume at their own topology); only the stateful readers save a state to resume from.
+    `pipe` is webdataset reading `pipe:shardd get URL` (whole shards, in tar order): it reads
+    plain datasets' shards, always as a descriptor of the cache file (zero copy), and has no
+    resume of its own."""
+    if reader == "pipe":
+        return mode in ("shards", "tgz", "zst") and delivery == "zero_copy" and event not in ("resume", "elastic")
     if event == "elastic" and reader != "client":
         return False
     if event == "resume" and reader == "torch":
@@ -128,7 +133,9 @@ def data(tmp_path_factory):
         for name, text in sections.items())
     want = {k: digest_fields(v) for k, v in reference_samples(tars).items()}
     web = set(reference_samples(tars[:16]))
-    return {"body": body, "want": want, "web": web}
+    urls = {"shards": tars, "tgz": [root / f"m-{s:02d}.tgz" for s in range(SHARDS)],
+            "zst": [root / f"m-{s:02d}.tar.zst" for s in range(SHARDS)]}
+    return {"body": body, "want": want, "web": web, "urls": urls}
 
 
 def digest_fields(fields):
@@ -220,7 +227,18 @@ def grain_reader(d, mode, zero_copy, rank, event, resume=False):
     return out
 
 
-def read_job(d, mode, delivery, reader, event):
+def pipe_reader(d, urls, rank, event):
+    """webdataset's own `pipe:` reading of this rank's shards (every WORLD-th) through
+    `shardd get`: the adoption path of a trainer that read `pipe:gsutil cat`."""
+    out = []
+    pipes = [f"pipe:{SHARDD} get --socket {d.socket} {u}" for u in urls[rank::WORLD]]
+    for x in wds.WebDataset(pipes, shardshuffle=False, empty_check=False):
+        out.append((x["__key__"], None, digest_fields(x)))
+        event(len(out))
+    return out
+
+
+def read_job(d, data, mode, delivery, reader, event):
     zero_copy = delivery == "zero_copy"
     resume = event == "resume"
     fire = Trigger(d, event)
@@ -230,6 +248,8 @@ def read_job(d, mode, delivery, reader, event):
             out[rank] = client_reader(d, mode, zero_copy, rank, fire, resume)
         elif reader == "grain":
             out[rank] = grain_reader(d, mode, zero_copy, rank, fire, resume)
+        elif reader == "pipe":
+            out[rank] = pipe_reader(d, data["urls"][mode], rank, fire)
         else:
             out[rank] = torch_reader(d, mode, zero_copy, rank, fire, resume, stateful=reader == "stateful")
     fire.check()
@@ -373,11 +393,11 @@ def test_cell(make_daemon, data, mode, delivery, reader, event):
     if event == "elastic":
         RESULTS[cell] = elastic_cell(d, mode, delivery, data)
         return
-    got = read_job(d, mode, delivery, reader, event)
+    got = read_job(d, data, mode, delivery, reader, event)
     check_contract(mode, got, data, streams=2 if reader in ("torch", "stateful") else 1)
     base = BASELINES.get((mode, delivery, reader))
     if base is None and event != "none":
-        base = read_job(start_daemon(make_daemon, data, "none", "base"), mode, delivery, reader, "none")
+        base = read_job(start_daemon(make_daemon, data, "none", "base"), data, mode, delivery, reader, "none")
     if base is not None:
         assert got == base, "not the samples, or not the order, of the same cell without the event"
     BASELINES[mode, delivery, reader] = got
