@@ -224,20 +224,17 @@ pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), 
             .await
             .map_err(failed)?;
         let loaded = started.elapsed();
-        dataset.set_counts(at.iter().map(|&i| manifest.shards[i].samples).collect());
+        dataset.set_counts(at.iter().map(|&i| manifest.samples(i)).collect());
         sizes.push((
             dataset.name.clone(),
-            at.iter().map(|&i| manifest.shards[i].samples).sum(),
-            at.iter().map(|&i| manifest.shards[i].version.size).sum(),
+            at.iter().map(|&i| manifest.samples(i)).sum(),
+            at.iter().map(|&i| manifest.size(i)).sum(),
         ));
         let share = crate::plan::warm_shards(dataset.shape(), host);
         let share_at: Vec<usize> = share.iter().map(|&i| at[i]).collect();
         // Only the share: this host reads no other shard, and a million entries cost
         // hundreds of MB.
-        stores.know_crc32c(share_at.iter().map(|&i| {
-            let e = &manifest.shards[i];
-            (e.url.as_str(), &e.version, e.crc32c)
-        }));
+        know_crc32c(stores, &manifest, &dataset.shards, &share, &share_at);
         let share: Vec<_> = share
             .into_iter()
             .map(|i| dataset.shards[i].clone())
@@ -266,6 +263,28 @@ pub async fn load_manifests(config: &mut Config, stores: &Stores) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// Tells the stores the CRC-32C the manifest records for each shard of `share` (indexes in
+/// `shards`; `share_at`: the same shards' indexes in the manifest), to verify reads with.
+/// The URL is the configured shard's: the manifest's is the same (see `Loaded::positions`).
+pub(crate) fn know_crc32c(
+    stores: &Stores,
+    manifest: &crate::shard::manifest::Loaded,
+    shards: &[crate::config::url::ShardUrl],
+    share: &[usize],
+    share_at: &[usize],
+) {
+    let known: Vec<_> = share_at
+        .iter()
+        .map(|&i| (manifest.version(i), manifest.crc32c(i)))
+        .collect();
+    stores.know_crc32c(
+        share
+            .iter()
+            .zip(&known)
+            .map(|(&s, (version, crc))| (shards[s].as_str(), version, *crc)),
+    );
 }
 
 /// `[datasets.X] warm = true`: loads this host's share of those datasets into free cache

@@ -250,10 +250,13 @@ async fn adopt(daemon: Arc<Daemon>, warm: Vec<String>) {
                 crate::shard::manifest::load(stores, &source, &dataset.shards).await?;
             let share = crate::plan::warm_shards(dataset.shape(), config.host);
             let share_at: Vec<usize> = share.iter().map(|&i| at[i]).collect();
-            stores.know_crc32c(share_at.iter().map(|&i| {
-                let e = &manifest.shards[i];
-                (e.url.as_str(), &e.version, e.crc32c)
-            }));
+            crate::serve::daemon::know_crc32c(
+                stores,
+                &manifest,
+                &dataset.shards,
+                &share,
+                &share_at,
+            );
             let urls: Vec<_> = share.iter().map(|&i| dataset.shards[i].clone()).collect();
             crate::shard::manifest::check_unchanged(
                 stores,

@@ -15,6 +15,10 @@ use crate::cache::decompress::Compression;
 use crate::config::url::ShardUrl;
 use crate::store::{ReadError, Stores, Version};
 
+mod compact;
+
+pub use compact::Loaded;
+
 const FORMAT: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
@@ -63,19 +67,13 @@ impl Manifest {
             what,
         };
         let m: Manifest = serde_json::from_slice(text).map_err(|e| invalid(e.to_string()))?;
-        if m.format != FORMAT {
-            return Err(invalid(format!(
-                "format {} (this daemon reads {FORMAT})",
-                m.format
-            )));
-        }
-        // Summed wide: a manifest comes from anywhere, and totals past u64 are just wrong.
-        let sum = |f: fn(&Entry) -> u64| m.shards.iter().map(|e| f(e) as u128).sum::<u128>();
-        if sum(|e| e.samples) != m.total_samples as u128
-            || sum(|e| e.version.size) != m.total_bytes as u128
-        {
-            return Err(invalid("its totals do not add up".into()));
-        }
+        check_totals(
+            url,
+            m.format,
+            (m.total_samples, m.total_bytes),
+            m.shards.iter().map(|e| e.samples),
+            m.shards.iter().map(|e| e.version.size),
+        )?;
         Ok(m)
     }
 
@@ -93,52 +91,7 @@ impl Manifest {
     /// `self.shards` of `shards[i]`), after checking that the manifest names exactly these
     /// shards.
     pub fn positions(&self, url: &str, shards: &[ShardUrl]) -> Result<Vec<usize>, ManifestError> {
-        let mismatch = |what: String| ManifestError::Mismatch {
-            url: url.into(),
-            what,
-        };
-        // `shardd index` writes the shards in config order: then no lookup table is needed,
-        // only a check for a shard listed twice (a validated config has none). At a million
-        // shards, SipHashing every URL several times was most of the daemon's start-up.
-        if self.shards.len() == shards.len()
-            && self
-                .shards
-                .iter()
-                .zip(shards)
-                .all(|(e, s)| e.url == s.as_str())
-        {
-            let mut seen = rustc_hash::FxHashSet::default();
-            seen.reserve(shards.len());
-            if !self.shards.iter().all(|e| seen.insert(e.url.as_str())) {
-                return Err(mismatch("it lists a shard twice".into()));
-            }
-            return Ok((0..shards.len()).collect());
-        }
-        let by_url = self.by_url();
-        if by_url.len() != self.shards.len() {
-            return Err(mismatch("it lists a shard twice".into()));
-        }
-        let mut positions = Vec::with_capacity(shards.len());
-        for shard in shards {
-            let Some(&i) = by_url.get(shard.as_str()) else {
-                return Err(mismatch(format!("{shard} is not in it")));
-            };
-            positions.push(i);
-        }
-        if self.shards.len() != shards.len() {
-            let configured: std::collections::HashSet<&str> =
-                shards.iter().map(ShardUrl::as_str).collect();
-            let extra = self
-                .shards
-                .iter()
-                .find(|e| !configured.contains(e.url.as_str()))
-                .map(|e| e.url.clone())
-                .unwrap_or_default();
-            return Err(mismatch(format!(
-                "it lists {extra}, which the config does not"
-            )));
-        }
-        Ok(positions)
+        positions_of(self.shards.len(), |i| &self.shards[i].url, url, shards)
     }
 
     /// Checks that `shards` (all in the manifest: see [`Manifest::counts`]) are the objects it
@@ -174,13 +127,7 @@ impl Manifest {
         for ((shard, &i), now) in shards.iter().zip(at).zip(current) {
             let then = &self.shards[i].version;
             if !same_object(then, now) {
-                return Err(ManifestError::Mismatch {
-                    url: url.into(),
-                    what: format!(
-                        "{shard} changed since it was indexed (size {} → {}, ETag {:?} → {:?})",
-                        then.size, now.size, then.e_tag, now.e_tag
-                    ),
-                });
+                return Err(changed(url, shard, then, now));
             }
         }
         Ok(())
@@ -192,6 +139,93 @@ impl Manifest {
             .enumerate()
             .map(|(i, e)| (e.url.as_str(), i))
             .collect()
+    }
+}
+
+/// The checks after parsing: the format, and that the totals are the sums of the entries.
+fn check_totals(
+    url: &str,
+    format: u32,
+    (total_samples, total_bytes): (u64, u64),
+    samples: impl Iterator<Item = u64>,
+    sizes: impl Iterator<Item = u64>,
+) -> Result<(), ManifestError> {
+    let invalid = |what: String| ManifestError::Invalid {
+        url: url.into(),
+        what,
+    };
+    if format != FORMAT {
+        return Err(invalid(format!(
+            "format {format} (this daemon reads {FORMAT})"
+        )));
+    }
+    // Summed wide: a manifest comes from anywhere, and totals past u64 are just wrong.
+    let sum = |n: &mut dyn Iterator<Item = u64>| n.map(u128::from).sum::<u128>();
+    if sum(&mut { samples }) != u128::from(total_samples)
+        || sum(&mut { sizes }) != u128::from(total_bytes)
+    {
+        return Err(invalid("its totals do not add up".into()));
+    }
+    Ok(())
+}
+
+/// Where each configured shard is among the `n` URLs of a manifest (`url(i)`: the `i`th),
+/// after checking that the manifest names exactly these shards.
+fn positions_of<'a>(
+    n: usize,
+    url_at: impl Fn(usize) -> &'a str,
+    url: &str,
+    shards: &'a [ShardUrl],
+) -> Result<Vec<usize>, ManifestError> {
+    let mismatch = |what: String| ManifestError::Mismatch {
+        url: url.into(),
+        what,
+    };
+    // `shardd index` writes the shards in config order: then no lookup table is needed,
+    // only a check for a shard listed twice (a validated config has none). At a million
+    // shards, SipHashing every URL several times was most of the daemon's start-up.
+    if n == shards.len() && (0..n).all(|i| url_at(i) == shards[i].as_str()) {
+        let mut seen = rustc_hash::FxHashSet::default();
+        seen.reserve(n);
+        if !(0..n).all(|i| seen.insert(url_at(i))) {
+            return Err(mismatch("it lists a shard twice".into()));
+        }
+        return Ok((0..n).collect());
+    }
+    let by_url: rustc_hash::FxHashMap<&str, usize> = (0..n).map(|i| (url_at(i), i)).collect();
+    if by_url.len() != n {
+        return Err(mismatch("it lists a shard twice".into()));
+    }
+    let mut positions = Vec::with_capacity(shards.len());
+    for shard in shards {
+        let Some(&i) = by_url.get(shard.as_str()) else {
+            return Err(mismatch(format!("{shard} is not in it")));
+        };
+        positions.push(i);
+    }
+    if n != shards.len() {
+        let configured: std::collections::HashSet<&str> =
+            shards.iter().map(ShardUrl::as_str).collect();
+        let extra = (0..n)
+            .map(&url_at)
+            .find(|u| !configured.contains(u))
+            .map(str::to_owned)
+            .unwrap_or_default();
+        return Err(mismatch(format!(
+            "it lists {extra}, which the config does not"
+        )));
+    }
+    Ok(positions)
+}
+
+/// The error for a shard whose object is no longer the one the manifest describes.
+fn changed(url: &str, shard: &ShardUrl, then: &Version, now: &Version) -> ManifestError {
+    ManifestError::Mismatch {
+        url: url.into(),
+        what: format!(
+            "{shard} changed since it was indexed (size {} → {}, ETag {:?} → {:?})",
+            then.size, now.size, then.e_tag, now.e_tag
+        ),
     }
 }
 
@@ -223,15 +257,19 @@ pub async fn versions(
         .await
 }
 
-/// Reads a manifest from a local path or an object URL; returns it with the index in it of
-/// each of `shards` (which it must name exactly, see [`Manifest::positions`]).
+/// Reads a manifest from a local path or an object URL, in the daemon's compact form;
+/// returns it with the index in it of each of `shards` (which it must name exactly, see
+/// [`Manifest::positions`]).
 pub async fn load(
     stores: &Stores,
     source: &ShardUrl,
     shards: &[ShardUrl],
-) -> Result<(Manifest, Vec<usize>), ManifestError> {
+) -> Result<(Loaded, Vec<usize>), ManifestError> {
     let text = stores.read_whole(source).await?;
-    let manifest = Manifest::parse(&text, source.as_str())?;
+    let manifest = Loaded::parse(&text, source.as_str(), shards)?;
+    // The text is the largest thing at start (~180 MB at a million shards): gone before the
+    // positions' table is built.
+    drop(text);
     let positions = manifest.positions(source.as_str(), shards)?;
     Ok((manifest, positions))
 }
@@ -241,7 +279,7 @@ pub async fn load(
 /// in the manifest of `shards[i]`).
 pub async fn check_unchanged(
     stores: &Stores,
-    manifest: &Manifest,
+    manifest: &Loaded,
     source: &ShardUrl,
     shards: &[ShardUrl],
     at: &[usize],

@@ -98,8 +98,8 @@ pub async fn check_working_set(
     let (manifest, at) = crate::shard::manifest::load(stores, source, &d.shards)
         .await
         .with_context(|| format!("dataset {name}: reading the manifest {source}"))?;
-    let bytes: u64 = at.iter().map(|&i| manifest.shards[i].version.size).sum();
-    let samples: u64 = at.iter().map(|&i| manifest.shards[i].samples).sum();
+    let bytes: u64 = at.iter().map(|&i| manifest.size(i)).sum();
+    let samples: u64 = at.iter().map(|&i| manifest.samples(i)).sum();
     let (line, warning) = crate::config::space::streams_line(config, d, samples, bytes);
     Ok((vec![line], warning.into_iter().collect()))
 }
