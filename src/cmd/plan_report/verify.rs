@@ -24,7 +24,10 @@ use crate::plan::shuffle::WindowShuffle;
 pub struct Replay {
     /// The base epoch's streams (the chain's first topology, no resume): what the epoch is.
     pub epoch: Vec<Plan>,
-    /// Each hop's streams with the samples each had delivered at its checkpoint.
+    /// The samples each of them had delivered at the first checkpoint.
+    pub epoch_delivered: Vec<u64>,
+    /// Each later hop's streams (resumes themselves) with the samples each had delivered
+    /// at its checkpoint.
     pub delivered: Vec<(Plan, u64)>,
     /// The new streams, `[host][local rank × K + worker]`.
     pub new: Vec<Vec<Plan>>,
@@ -191,20 +194,23 @@ pub fn replay(
     let mut delivered = Vec::new();
     let mut drop_allowance = (world - 1) as u64;
     let mut earlier_dropped = 0;
-    for o in chain.iter().rev() {
+    let at = |o: &Origin, s: usize| o.positions[s % o.num_workers as usize];
+    // The first hop's streams are the epoch's: planned once.
+    let epoch_delivered = (0..epoch_plans.iter().map(Vec::len).sum())
+        .map(|s| at(base, s))
+        .collect();
+    for o in chain.iter().rev().skip(1) {
         let hop = streams(config, name, topo(o), key, o.from.as_deref(), "an old hop")?;
-        if o.from.is_some() {
-            drop_allowance += (o.world_size - 1) as u64;
-            earlier_dropped += hop.first().and_then(|s| s.first()).map_or(0, |p| p.dropped);
-        }
+        drop_allowance += (o.world_size - 1) as u64;
+        earlier_dropped += hop.first().and_then(|s| s.first()).map_or(0, |p| p.dropped);
         for (s, plan) in hop.into_iter().flatten().enumerate() {
-            let at = o.positions[s % o.num_workers as usize];
-            delivered.push((plan, at));
+            delivered.push((plan, at(o, s)));
         }
     }
     let first = new.first().and_then(|s| s.first());
     Ok(Replay {
         epoch: epoch_plans.into_iter().flatten().collect(),
+        epoch_delivered,
         delivered,
         planned_dropped: earlier_dropped + first.map_or(0, |p| p.dropped),
         planned_remainder: first.and_then(|p| p.remainder),
@@ -422,7 +428,8 @@ pub fn check(
         mark_epoch(&mut ledgers, Some(name));
     }
     // What the old streams delivered, then what the new ones read.
-    for (plan, n) in &r.delivered {
+    let hops = r.epoch.iter().zip(&r.epoch_delivered);
+    for (plan, n) in hops.chain(r.delivered.iter().map(|(p, n)| (p, n))) {
         for (lane, run, a, b) in prefix(plan, *n) {
             let name = plan.lanes[lane].dataset.as_str();
             let l = ledgers.get_mut(name).unwrap();
