@@ -23,6 +23,7 @@ use serde::Serialize;
 mod resize;
 mod sizing;
 mod text;
+pub mod verify;
 
 pub use resize::{HostFetch, Resize, resize};
 pub use sizing::{Sizing, budget_warnings, check_working_set, size};
@@ -90,6 +91,34 @@ pub struct Args {
     /// (default: half of an old stream).
     #[arg(long, requires = "from")]
     pub position: Option<u64>,
+    /// Instead of the report: replay the elastic resume from the checkpoint (--from with
+    /// --position or --positions, or --resume-from) onto --hosts × --ranks × --workers and
+    /// check that it reads every sample the old streams had not delivered exactly once
+    /// (but for fewer than the new world size dropped, per source), with equal counts per
+    /// rank and worker and a mix's prefix bounds. Exits non-zero, naming each breach.
+    #[arg(long)]
+    pub verify: bool,
+    /// With --verify --from: samples each old worker's stream had delivered, one per old
+    /// worker (index = worker), as one rank's state says.
+    #[arg(
+        long,
+        value_name = "P0,P1,...",
+        requires = "verify",
+        requires = "from",
+        conflicts_with = "position",
+        value_delimiter = ','
+    )]
+    pub positions: Option<Vec<u64>>,
+    /// With --verify: the checkpoint as the protocol's `resume_from` takes it, a JSON file
+    /// `{"hosts", "world_size", "num_workers", "positions", "from"}` (`from`: a resume of a
+    /// resume). Instead of --from.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "verify",
+        conflicts_with = "from"
+    )]
+    pub resume_from: Option<std::path::PathBuf>,
 }
 
 /// One host's epoch.
@@ -176,6 +205,9 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
         bail!("--hosts, --ranks and --workers must be at least 1");
     }
     let mut config = Config::load(config)?;
+    if args.verify {
+        return verify_run(config, args).await;
+    }
     let name = match &args.dataset {
         Some(name) => name.clone(),
         None if config.datasets.len() == 1 => config.datasets.keys().next().unwrap().clone(),
@@ -259,6 +291,113 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
     }
     for w in budget_warnings(&report) {
         eprintln!("warning: {w}");
+    }
+    Ok(())
+}
+
+/// `--verify`: loads the manifests of the dataset (or of the mix's sources), replays the
+/// resume and prints the verification; an error when it breaks the contract.
+async fn verify_run(mut config: Config, args: Args) -> anyhow::Result<()> {
+    let names: Vec<&String> = config.datasets.keys().chain(config.mixes.keys()).collect();
+    let name = match &args.dataset {
+        Some(name) if names.contains(&name) => name.clone(),
+        Some(name) => bail!(
+            "unknown dataset {name:?}; the config has: {}",
+            names
+                .iter()
+                .map(|n| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        None if names.len() == 1 => names[0].clone(),
+        None => bail!(
+            "the config has {} datasets and mixes: say which with --dataset ({})",
+            names.len(),
+            names
+                .iter()
+                .map(|n| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let needed: Vec<String> = match config.mixes.get(&name) {
+        Some(m) => m.sources.iter().map(|(n, _)| n.clone()).collect(),
+        None => vec![name.clone()],
+    };
+    config.datasets.retain(|n, _| needed.contains(n));
+    config.mixes.retain(|n, _| *n == name);
+    let stores = Stores::from_config(&config, Arc::new(Metrics::new()))?;
+    stores.check_credentials().await?;
+    for d in config.datasets.values_mut() {
+        let Some(source) = d.manifest.clone() else {
+            bail!(
+                "--verify: dataset {} has no manifest: an elastic resume needs its sample counts",
+                d.name
+            );
+        };
+        let (manifest, at) = crate::shard::manifest::load(&stores, &source, &d.shards)
+            .await
+            .with_context(|| format!("reading the manifest {source}"))?;
+        d.set_counts(at.iter().map(|&i| manifest.shards[i].samples).collect());
+    }
+    let origin = match (&args.resume_from, args.from) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<crate::plan::elastic::Origin>(&text)
+                .with_context(|| format!("{}: not a resume_from object", path.display()))?
+        }
+        (None, Some(from)) => {
+            let world = from
+                .hosts
+                .checked_mul(from.ranks)
+                .context("--from is too large")?;
+            let positions = match (&args.positions, args.position) {
+                (Some(p), _) if p.len() == 1 => vec![p[0]; from.workers as usize],
+                (Some(p), _) => p.clone(),
+                (None, Some(p)) => vec![p; from.workers as usize],
+                (None, None) => bail!(
+                    "--verify --from needs the checkpoint's positions: --position P (every old \
+                     worker) or --positions P0,P1,... (one per old worker)"
+                ),
+            };
+            crate::plan::elastic::Origin {
+                hosts: from.hosts,
+                world_size: world,
+                num_workers: from.workers,
+                positions,
+                from: None,
+            }
+        }
+        (None, None) => bail!(
+            "--verify needs the checkpoint: --from H0,R0,K0 with --position(s), or --resume-from FILE"
+        ),
+    };
+    let json = args.json;
+    let v = tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        let topo = (args.hosts, args.ranks, args.workers);
+        let r = verify::replay(&config, &name, topo, (args.seed, args.epoch), &origin)?;
+        let ids = config
+            .datasets
+            .values()
+            .map(|d| {
+                let counts = d.counts.as_deref().expect("loaded above");
+                (d.name.clone(), verify::Ids::new(counts, d.shuffle_buffer))
+            })
+            .collect();
+        let v = verify::check(&r, &ids, &name, &origin, args.hosts);
+        eprintln!("verified in {:.2} s", started.elapsed().as_secs_f64());
+        anyhow::Ok(v)
+    })
+    .await??;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", verify::text(&v));
+    }
+    if !v.breaches.is_empty() {
+        bail!("the resume breaks the contract: {}", v.breaches.join("; "));
     }
     Ok(())
 }

@@ -153,3 +153,80 @@ def test_plan_without_a_manifest_counts_shards(tmp_path):
     assert sorted(h["shards"] for h in r["per_host"]) == [5, 5, 5, 6]
     assert r["summary"]["total_shards"] == 21
     assert r["summary"]["total_samples"] is None and r["summary"]["bytes"] is None
+
+
+def test_plan_verify_certifies_a_resize_and_refuses_a_bad_checkpoint(tmp_path):
+    """`shardd plan --verify` on a real manifest (10 shards of 7 to 16 samples): resizes
+    2→4 and 4→2 hosts from mid-epoch positions are certified (every sample the old streams
+    had not delivered read once, a drop under the new world size, equal ranks); a checkpoint
+    past the old streams' end is refused with the reason and a non-zero exit."""
+    import json
+
+    import webdataset as wds
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(10):
+        with wds.TarWriter(str(shards / f"train-{i:02d}.tar")) as sink:
+            for j in range(7 + i):
+                sink.write({"__key__": f"s{i:02d}{j:03d}", "cls": b"1"})
+    pattern = str(shards / "train-{00..09}.tar")
+    manifest = tmp_path / "train.manifest.json"
+    out = subprocess.run([SHARDD, "index", pattern, "-o", str(manifest)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    config = tmp_path / "c.toml"
+    config.write_text(f'[datasets.train]\nshards = "{pattern}"\nmanifest = "{manifest}"\n'
+                      "shuffle_buffer = 5\n")
+    plan = [SHARDD, "plan", "--config", str(config), "--seed", "3", "--epoch", "1", "--verify"]
+
+    # 2 hosts × 1 rank × 2 workers (115 samples: streams of 28, 3 dropped) checkpointed with
+    # worker 0 at 7 and worker 1 at 5 samples, onto 4 hosts × 1 rank × 2 workers.
+    up = subprocess.run(plan + ["--hosts", "4", "--ranks", "1", "--workers", "2", "--from", "2,1,2",
+                                "--positions", "7,5", "--json"],
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0, up.stderr
+    v = json.loads(up.stdout)
+    assert v["breaches"] == []
+    (s,) = v["sources"]
+    assert (s["dataset"], s["epoch"], s["delivered"]) == ("train", 112, 2 * (7 + 5))
+    assert (s["duplicates"], s["foreign"]) == (0, 0)
+    assert s["delivered"] + s["read"] + s["unread"] == s["epoch"]
+    assert s["unread"] == v["planned_dropped"] < 4 and s["drop_allowance"] == 3
+    assert v["planned_remainder"] == 112 - 24
+    assert v["counts"]["rank_min"] == v["counts"]["rank_max"] == (112 - 24) // 4
+    assert all(a == b for a, b in v["counts"]["workers"])
+
+    # 4 → 2 hosts, the checkpoint given as the protocol's resume_from object, text output.
+    origin = tmp_path / "origin.json"
+    origin.write_text(json.dumps({"hosts": 4, "world_size": 8, "num_workers": 1,
+                                  "positions": [9]}))
+    down = subprocess.run(plan + ["--hosts", "2", "--ranks", "3", "--workers", "1",
+                                  "--resume-from", str(origin)],
+                          capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    lines = down.stdout.splitlines()
+    assert lines[0].startswith("verify: train resumed from 4 hosts × 2 ranks × 1 workers at "
+                               "positions [9] onto 2 hosts × 3 ranks × 1 workers"), lines
+    assert lines[-1].startswith("certified: every sample the old streams had not delivered is read "
+                                "exactly once"), lines
+
+    # A resume of that resume (a chain), 2 hosts → 1.
+    origin.write_text(json.dumps({"hosts": 2, "world_size": 6, "num_workers": 1, "positions": [4],
+                                  "from": {"hosts": 4, "world_size": 8, "num_workers": 1,
+                                           "positions": [9]}}))
+    chain = subprocess.run(plan + ["--hosts", "1", "--ranks", "1", "--workers", "3",
+                                   "--resume-from", str(origin), "--json"],
+                           capture_output=True, text=True, timeout=60)
+    assert chain.returncode == 0, chain.stderr
+    assert json.loads(chain.stdout)["breaches"] == []
+
+    # Positions past the old streams' end (28 samples): refused, saying why.
+    past = subprocess.run(plan + ["--hosts", "4", "--ranks", "1", "--workers", "2", "--from", "2,1,2",
+                                  "--positions", "7,29"],
+                          capture_output=True, text=True, timeout=60)
+    assert past.returncode != 0
+    assert "position 29 of worker 1 is past the end of its old stream (28 samples)" in past.stderr
+    missing = subprocess.run(plan + ["--hosts", "4", "--ranks", "1", "--workers", "2", "--from", "2,1,2"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "needs the checkpoint's positions" in missing.stderr

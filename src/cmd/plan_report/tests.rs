@@ -4,6 +4,9 @@ fn args(hosts: u32, ranks: u32, workers: u32) -> Args {
     Args {
         from: None,
         position: None,
+        verify: false,
+        positions: None,
+        resume_from: None,
         hosts,
         ranks,
         workers,

@@ -114,3 +114,56 @@ fn resume_at_any_position_continues_exactly() {
         }
     }
 }
+
+/// `shardd plan --verify` turns a run into samples without reading them (ranges, and the
+/// window permutation where a run's ends cut a window): the same set the reader delivers.
+#[test]
+fn the_verifiers_samples_of_a_run_are_the_readers() {
+    use crate::cmd::plan_report::verify::{Ids, run_ids};
+    let mut rng = SplitMix64::new(91);
+    for case in 0..40 {
+        let shards = 1 + rng.below(12) as usize;
+        let counts: Vec<u64> = (0..shards).map(|_| rng.below(30)).collect();
+        let window = 1 + rng.below(25) as usize;
+        let workers = 1 + rng.below(3) as u32;
+        let req = StreamRequest {
+            seed: rng.next_u64(),
+            epoch: rng.below(5),
+            rank: 0,
+            world_size: 1,
+            worker: rng.below(workers as u64) as u32,
+            num_workers: workers,
+        };
+        let shape = Shape {
+            counts: Some(&counts[..]),
+            ..Shape::shards(shards)
+        };
+        let host = Topology { index: 0, count: 1 };
+        let plan = plan_stream(shape, host, &req).unwrap();
+        let ids = Ids::new(&counts, window);
+        let n = plan.samples.unwrap();
+        for _ in 0..10 {
+            let to = rng.below(n + 1);
+            let from = rng.below(to + 1);
+            let mut read = deliver_run(&plan, &counts, window, from, Some(to));
+            let mut mine = Vec::new();
+            run_ids(&plan, from, to, &ids, &mut |a, b| {
+                for id in a..b {
+                    let shard = counts
+                        .iter()
+                        .scan(0, |s, &c| {
+                            *s += c;
+                            Some(*s)
+                        })
+                        .position(|end| end > id)
+                        .unwrap();
+                    let first: u64 = counts[..shard].iter().sum();
+                    mine.push(format!("s{shard}-{}", id - first));
+                }
+            });
+            read.sort();
+            mine.sort();
+            assert_eq!(mine, read, "case {case} run {from}..{to}");
+        }
+    }
+}
