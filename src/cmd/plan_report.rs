@@ -338,7 +338,7 @@ async fn verify_run(mut config: Config, args: Args) -> anyhow::Result<()> {
         let (manifest, at) = crate::shard::manifest::load(&stores, &source, &d.shards)
             .await
             .with_context(|| format!("reading the manifest {source}"))?;
-        d.set_counts(at.iter().map(|&i| manifest.shards[i].samples).collect());
+        d.set_counts(at.iter().map(|&i| manifest.samples(i)).collect());
     }
     let origin = match (&args.resume_from, args.from) {
         (Some(path), _) => {
