@@ -19,8 +19,6 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-
 use crate::protocol::{self, ErrorFrame, GetRequest, GetStart, HEADER_LEN, Kind, PREAMBLE_LEN};
 
 /// The protocol version `op: "get"` needs.
@@ -32,8 +30,15 @@ pub fn run(socket: &Path, urls: &[String], wait: Duration) -> anyhow::Result<()>
     let mut stdout = std::io::stdout().lock();
     for url in urls {
         let got = fetch(socket, url, wait)?;
-        copy(&got.file, got.len, &mut stdout)
-            .with_context(|| format!("{url}: writing to stdout"))?;
+        if let Err(e) = copy(&got.file, got.len, &mut stdout) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                // The reader closed the pipe early (webdataset stopping mid-shard): end as
+                // `cat` or `gsutil cat` would, killed by SIGPIPE, which a shell reports as
+                // 141 and webdataset's `pipe:` ignores; no message.
+                std::process::exit(141);
+            }
+            return Err(anyhow::Error::new(e).context(format!("{url}: writing to stdout")));
+        }
         // Closing the connection unpins the cache entry: only now that the copy is done.
         drop(got.conn);
     }

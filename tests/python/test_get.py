@@ -157,3 +157,17 @@ def test_the_shard_stays_pinned_until_its_copy_is_done(make_daemon, fake_gcs, sh
         p.kill()
     assert first + rest == big.read_bytes()
     wait_for(lambda: d.metric("shardd_cache_pinned_bytes") == 0, "the pin to go once the copy is done")
+
+
+def test_a_reader_that_stops_early_ends_it_as_sigpipe_would(make_daemon, fake_gcs, shard_dir):
+    """webdataset closing a pipe mid-shard: `shardd get` exits 141 (what a shell reports for
+    a command killed by SIGPIPE, as cat or gsutil cat are), which webdataset's pipe: ignores,
+    and says nothing."""
+    d = make_daemon(gcs_config(fake_gcs))
+    p = subprocess.Popen([SHARDD, "get", "--socket", str(d.socket), f"gs://{BUCKET}/big/big-0.tar"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(p.stdout.read(1000)) == 1000
+    p.stdout.close()
+    assert p.wait(timeout=60) == 141
+    assert p.stderr.read() == b""
+    wait_for(lambda: d.metric("shardd_cache_pinned_bytes") == 0, "the pin to go")
