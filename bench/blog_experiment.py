@@ -2,7 +2,7 @@
 
 Run on demand; a benchmark, not a test: it asserts nothing and prints figures and ratios.
 
-The write-up (docs/background.md, "Published results") trained ResNet-50 on ImageNet from
+The write-up (the project's background notes, "Published results") trained ResNet-50 on ImageNet from
 (A) loose local files, (B) local tar shards through webdataset and (C) the shards streamed
 from GCS through webdataset ``pipe:`` URLs, and found C as fast as A. This script measures
 the part of that which does not need an accelerator: the DataLoader's input pipeline, fed to a
@@ -46,7 +46,7 @@ done): A drops the first half of the epoch's shuffled index list; B, C and D-pip
 samples already seen (``.slice(n)`` per worker before decoding: what a webdataset user does,
 which still reads them); D and D-zc load the StatefulDataLoader state taken mid-epoch (exact).
 
-    .venv/bin/python bench/blog_experiment.py                 # 4000 images, 2 epochs: ~10 min
+    .venv/bin/python bench/blog_experiment.py                 # 4000 images, 2 epochs (3000 took 12 min at load 3-10)
     .venv/bin/python bench/blog_experiment.py --quick         # 256 small images, 1 epoch: CI
     .venv/bin/python bench/blog_experiment.py --shardd /path/to/shardd --workers 2
 """
