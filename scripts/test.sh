@@ -20,7 +20,7 @@ apt_install() {
 }
 
 echo "== system packages"
-apt_install prometheus systemd zstd   # promtool checks /metrics; systemd-analyze checks deploy/systemd; zstd and pzstd write the zstd test shards
+apt_install prometheus systemd zstd curl   # promtool checks /metrics; systemd-analyze checks deploy/systemd; zstd and pzstd write the zstd test shards; curl is the blog experiment's pipe: (test_bench_smoke)
 
 echo "== python venv"
 # torch and torch_xla first, without their dependencies (tests/requirements-torch.txt lists
