@@ -137,6 +137,12 @@ fn ask(socket: &Path, url: &str) -> Result<Got, Failure> {
         let e = anyhow::anyhow!("START said {} bytes, MAP {len}", start.bytes);
         return Err(Failure::Refused(e));
     }
+    // END: the daemon has counted the shard as handed over; only then is closing ours to do.
+    let (kind, _) = read_frame(&mut conn).map_err(away)?;
+    if kind != Kind::End as u8 {
+        let e = anyhow::anyhow!("expected END (kind 4), got kind {kind}");
+        return Err(Failure::Refused(e));
+    }
     Ok(Got {
         file: std::fs::File::from(file),
         len,

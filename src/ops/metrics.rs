@@ -67,6 +67,10 @@ pub struct Metrics {
     pub stream_parks_total: IntCounter,
     /// Streams parked now.
     pub streams_parked: IntGauge,
+    /// `shardd get` requests answered (`served`: the cache file was handed over) or refused
+    /// (an unknown shard, a failed fetch), and the bytes of the files handed over.
+    pub gets_total: IntCounterVec,
+    pub get_bytes_total: IntCounter,
     /// Shard files zero-copy clients hold mapped now (each pins its cache entry).
     pub zero_copy_maps: IntGauge,
     /// Bytes those maps pin (at most server.zero_copy_share of the cache budget).
@@ -208,6 +212,14 @@ impl Metrics {
             sample_index_bytes: gauge("sample_index_bytes", "Memory the sample indexes of cached shards take (at most cache.index_memory)."),
             shards_parsed_total: counter("shards_parsed_total", "Shards whose tar was walked to find their samples: read first, or again after their index was dropped (cache.index_memory)."),
             streams_parked: gauge("streams_parked", "Streams parked now (their clients paused; they hold no shards)."),
+            gets_total: {
+                let c = counters(&registry, "gets_total", "shardd get requests, by outcome: served, refused.", &["outcome"]);
+                for outcome in ["served", "refused"] {
+                    c.with_label_values(&[outcome]);
+                }
+                c
+            },
+            get_bytes_total: counter("get_bytes_total", "Bytes of the cache files handed to shardd get."),
             registry,
         }
     }

@@ -26,7 +26,24 @@ use crate::protocol::{self, End, GetRequest, GetStart, HEADER_LEN, Kind};
 use crate::serve::server::{Daemon, Refusal, client_gone, refuse};
 
 /// Serves one `get`: refusals (an unknown URL, a failed fetch) are the caller's ERROR frame.
+/// Counted in `shardd_gets_total` as `served` once the descriptor is handed over, else
+/// `refused`.
 pub(crate) async fn serve(
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    daemon: &Arc<Daemon>,
+    shutdown: &CancellationToken,
+    req: &GetRequest,
+) -> Result<(), Refusal> {
+    let served = hand_over(rd, wr, daemon, shutdown, req).await;
+    if served.is_err() {
+        let gets = &daemon.streams.metrics.gets_total;
+        gets.with_label_values(&["refused"]).inc();
+    }
+    served
+}
+
+async fn hand_over(
     rd: &mut OwnedReadHalf,
     wr: &mut OwnedWriteHalf,
     daemon: &Arc<Daemon>,
@@ -71,13 +88,15 @@ pub(crate) async fn serve(
     send_all_with_fd(wr, &map, &file.into())
         .await
         .map_err(gone)?;
+    let metrics = &daemon.streams.metrics;
+    metrics.gets_total.with_label_values(&["served"]).inc();
+    metrics.get_bytes_total.inc_by(len as u64);
     let end = End {
         samples: 0,
         bytes: len as u64,
     };
-    protocol::write_json(wr, Kind::End, &end)
-        .await
-        .map_err(gone)?;
+    // The client has the file: a client gone before END is not an error of its request.
+    let _ = protocol::write_json(wr, Kind::End, &end).await;
     // Pinned (`bytes`) until the client has copied the file and closed, or the daemon stops
     // (the client's descriptor still reads the file then).
     tokio::select! {

@@ -63,6 +63,9 @@ def test_eight_processes_on_one_host_cost_one_store_get_per_shard(make_daemon, f
     # A later epoch reads the local disk only.
     assert get(d, *urls).stdout == whole
     assert gets(d) == TRAIN_SHARDS
+    # Counted when the descriptor is handed over, before the END the command reads.
+    assert d.metric('shardd_gets_total{outcome="served"}') == 9 * TRAIN_SHARDS
+    assert d.metric("shardd_get_bytes_total") == 9 * len(whole)
 
 
 def test_the_cache_stays_within_its_budget(make_daemon, fake_gcs, train_paths):
@@ -105,6 +108,8 @@ def test_only_configured_shards_are_served(make_daemon, fake_gcs, train_paths):
     before = gets(d)
     assert get(d, url(1)).stdout == train_paths[1].read_bytes()
     assert gets(d) == before + 1
+    assert d.metric('shardd_gets_total{outcome="served"}') == 1
+    assert d.metric('shardd_gets_total{outcome="refused"}') == 4
 
 
 def test_a_daemon_that_is_away_is_waited_for(make_daemon, fake_gcs, train_paths):
