@@ -124,13 +124,7 @@ impl Manifest {
         at: &[usize],
         current: &[Version],
     ) -> Result<(), ManifestError> {
-        for ((shard, &i), now) in shards.iter().zip(at).zip(current) {
-            let then = &self.shards[i].version;
-            if !same_object(then, now) {
-                return Err(changed(url, shard, then, now));
-            }
-        }
-        Ok(())
+        unchanged_at(url, shards, at, current, |i| self.shards[i].version.clone())
     }
 
     fn by_url(&self) -> rustc_hash::FxHashMap<&str, usize> {
@@ -216,6 +210,25 @@ fn positions_of<'a>(
         )));
     }
     Ok(positions)
+}
+
+/// Checks that each of `shards` is the object the manifest describes (`then(at[i])`, the
+/// version recorded at its manifest index) given what the store reports now (`current`, in
+/// the same order): both forms of a manifest check through this.
+fn unchanged_at(
+    url: &str,
+    shards: &[ShardUrl],
+    at: &[usize],
+    current: &[Version],
+    then: impl Fn(usize) -> Version,
+) -> Result<(), ManifestError> {
+    for ((shard, &i), now) in shards.iter().zip(at).zip(current) {
+        let then = then(i);
+        if !same_object(&then, now) {
+            return Err(changed(url, shard, &then, now));
+        }
+    }
+    Ok(())
 }
 
 /// The error for a shard whose object is no longer the one the manifest describes.

@@ -13,7 +13,7 @@ use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::{Manifest, ManifestError, check_totals, positions_of, same_object};
+use super::{Manifest, ManifestError, check_totals, positions_of};
 use crate::config::url::ShardUrl;
 use crate::store::Version;
 
@@ -156,13 +156,7 @@ impl Loaded {
         at: &[usize],
         current: &[Version],
     ) -> Result<(), ManifestError> {
-        for ((shard, &i), now) in shards.iter().zip(at).zip(current) {
-            let then = self.version(i);
-            if !same_object(&then, now) {
-                return Err(super::changed(url, shard, &then, now));
-            }
-        }
-        Ok(())
+        super::unchanged_at(url, shards, at, current, |i| self.version(i))
     }
 }
 
