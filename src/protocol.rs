@@ -181,6 +181,24 @@ pub struct Start {
     /// Whether the stream is delivered zero-copy: present when the request asked. Version 5.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero_copy: Option<bool>,
+    /// A mix's segments this epoch: where its schedule changes the weights inside it (one
+    /// segment when it does not). Absent after an elastic resume. Version 6.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segments: Option<Vec<SegmentStart>>,
+    /// Which of `segments` holds `position`. Version 6.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment: Option<usize>,
+}
+
+/// One segment of a mixed stream's epoch, in START.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SegmentStart {
+    /// The stream position it starts at.
+    pub position: u64,
+    /// The schedule entry in force: 0 for the mix's first weights, n for the n-th entry.
+    pub entry: usize,
+    /// The weights, by source.
+    pub mix: std::collections::BTreeMap<String, u64>,
 }
 
 /// One source of a mixed stream, in START.

@@ -161,7 +161,7 @@ pub struct DatasetSection {
     /// A mix of other datasets: `mix = { web = 3, books = 1 }` (integer weights).
     #[serde(default)]
     pub mix: Option<BTreeMap<String, u64>>,
-    /// A mix's curriculum: other weights from an epoch on.
+    /// A mix's schedule: other weights from an epoch, or from a job-wide sample, on.
     #[serde(default)]
     pub schedule: Vec<ScheduleEntry>,
     #[serde(default = "default_shuffle_buffer")]
@@ -178,11 +178,15 @@ pub struct DatasetSection {
     pub resampled: bool,
 }
 
-/// `schedule = [{ epoch = 10, mix = { web = 1, books = 1 } }]`: from `epoch` on, these weights.
+/// `schedule = [{ epoch = 10, mix = { web = 1, books = 1 } }]`: from `epoch` on, these
+/// weights; or `{ at = 2_000_000, mix = ... }`: from the job-wide sample `at` on.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleEntry {
-    pub epoch: u64,
+    #[serde(default)]
+    pub epoch: Option<u64>,
+    #[serde(default)]
+    pub at: Option<u64>,
     pub mix: BTreeMap<String, u64>,
 }
 

@@ -107,8 +107,19 @@ pub struct MixDataset {
     pub sources: Vec<(String, u64)>,
     /// Samples every stream of the mix gets per epoch.
     pub samples_per_epoch: u64,
-    /// A curriculum: (first epoch, weights in `sources` order), epochs increasing.
-    pub schedule: Vec<(u64, Vec<u64>)>,
+    /// A schedule: (where the weights start, weights in `sources` order), increasing and all
+    /// of one kind.
+    pub schedule: Vec<(ScheduleFrom, Vec<u64>)>,
+}
+
+/// Where a schedule entry's weights start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleFrom {
+    /// At the start of this epoch (≥ 1).
+    Epoch(u64),
+    /// At the first step where the job has read this many samples (≥ 1), counted over every
+    /// stream of the job: `plan/mix/schedule.rs`.
+    Sample(u64),
 }
 
 /// How a download is checked against its source (`store.verify`).

@@ -183,7 +183,8 @@ fn validate_datasets(
     let mut datasets = BTreeMap::new();
     let mut mix_sections = Vec::new();
     for (name, d) in sections {
-        if d.mix.is_some() {
+        // A mix may give its first weights in its schedule alone (`at = 0`).
+        if d.mix.is_some() || (d.shards.is_none() && !d.schedule.is_empty()) {
             mix_sections.push((name, d));
             continue;
         }
@@ -205,13 +206,13 @@ fn validate_mix(
     d: DatasetSection,
     datasets: &BTreeMap<String, Dataset>,
 ) -> Result<MixDataset, ConfigError> {
-    let mix = d.mix.unwrap_or_default();
     if d.shards.is_some() || d.manifest.is_some() || d.resampled || d.warm {
         // (and `schedule` belongs to mixes only: checked in validate_dataset)
         return Err(invalid(format!(
             "dataset {name:?}: a mix has no shards, manifest, resampled or warm of its own: set them on its sources"
         )));
     }
+    let (mix, entries) = first_weights(name, d.mix, d.schedule)?;
     if mix.len() < 2 {
         return Err(invalid(format!(
             "dataset {name:?}: mix needs at least two sources, e.g. mix = {{ web = 3, books = 1 }}"
@@ -244,21 +245,90 @@ fn validate_mix(
     let sources: Vec<(String, u64)> = mix.into_iter().collect();
     let weights: Vec<u64> = sources.iter().map(|s| s.1).collect();
     weights_fit(&weights).map_err(|e| invalid(format!("dataset {name:?}: mix: {e}")))?;
-    let mut schedule = Vec::new();
-    let mut last = 0;
-    for entry in d.schedule {
-        if entry.epoch <= last {
-            return Err(invalid(format!(
-                "dataset {name:?}: schedule epochs must increase from 1 (epoch {} after {last})",
-                entry.epoch
-            )));
+    let schedule = validate_schedule(name, &sources, entries)?;
+    Ok(MixDataset {
+        name: name.to_string(),
+        sources,
+        samples_per_epoch,
+        schedule,
+    })
+}
+
+/// A mix's weights from its start: `mix`, or its schedule's `at = 0` entry (taken out of the
+/// schedule), not both.
+fn first_weights(
+    name: &str,
+    mix: Option<BTreeMap<String, u64>>,
+    mut schedule: Vec<ScheduleEntry>,
+) -> Result<(BTreeMap<String, u64>, Vec<ScheduleEntry>), ConfigError> {
+    let at_zero = schedule
+        .first()
+        .is_some_and(|e| e.at == Some(0) && e.epoch.is_none());
+    match (mix, at_zero) {
+        (Some(mix), false) => Ok((mix, schedule)),
+        (None, true) => Ok((schedule.remove(0).mix, schedule)),
+        (Some(_), true) => Err(invalid(format!(
+            "dataset {name:?}: the weights from the start are given twice, by mix and by the schedule's at = 0 entry: keep one"
+        ))),
+        (None, false) => Err(invalid(format!(
+            "dataset {name:?}: a schedule needs the weights from the start: mix = {{ ... }}, or a first entry at = 0"
+        ))),
+    }
+}
+
+/// The schedule's entries: each starts at an epoch (≥ 1) or at a job-wide sample (≥ 1), all
+/// of one kind (which of two kinds comes first depends on the job's size), increasing, and
+/// weighs every source of the mix.
+fn validate_schedule(
+    name: &str,
+    sources: &[(String, u64)],
+    entries: Vec<ScheduleEntry>,
+) -> Result<Vec<(ScheduleFrom, Vec<u64>)>, ConfigError> {
+    let mut schedule: Vec<(ScheduleFrom, Vec<u64>)> = Vec::new();
+    for entry in entries {
+        let from = match (entry.epoch, entry.at) {
+            (Some(epoch), None) => ScheduleFrom::Epoch(epoch),
+            (None, Some(at)) => ScheduleFrom::Sample(at),
+            _ => {
+                return Err(invalid(format!(
+                    "dataset {name:?}: a schedule entry starts at an epoch or at a job-wide sample: epoch = N or at = N, one of them"
+                )));
+            }
+        };
+        let here = describe(from);
+        match (schedule.last().map(|(f, _)| *f), from) {
+            (None, ScheduleFrom::Epoch(0)) | (None, ScheduleFrom::Sample(0)) => {
+                return Err(invalid(format!(
+                    "dataset {name:?}: schedule entries start after the mix's first weights: {here} must be at least 1{}",
+                    if matches!(from, ScheduleFrom::Sample(_)) {
+                        " (at = 0 may come first, in place of mix = { ... })"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            (Some(ScheduleFrom::Epoch(a)), ScheduleFrom::Epoch(b))
+            | (Some(ScheduleFrom::Sample(a)), ScheduleFrom::Sample(b))
+                if b <= a =>
+            {
+                return Err(invalid(format!(
+                    "dataset {name:?}: schedule entries must increase ({here} after {})",
+                    describe(schedule.last().unwrap().0)
+                )));
+            }
+            (Some(ScheduleFrom::Epoch(_)), ScheduleFrom::Sample(_))
+            | (Some(ScheduleFrom::Sample(_)), ScheduleFrom::Epoch(_)) => {
+                return Err(invalid(format!(
+                    "dataset {name:?}: a schedule is keyed by epochs or by samples, not both ({here} after {}): which comes first would depend on the job's size",
+                    describe(schedule.last().unwrap().0)
+                )));
+            }
+            _ => {}
         }
-        last = entry.epoch;
         let names: Vec<&String> = entry.mix.keys().collect();
         if names != sources.iter().map(|s| &s.0).collect::<Vec<_>>() {
             return Err(invalid(format!(
-                "dataset {name:?}: schedule entry for epoch {} must weigh the mix's sources, all of them: {}",
-                entry.epoch,
+                "dataset {name:?}: schedule entry {here} must weigh the mix's sources, all of them: {}",
                 sources
                     .iter()
                     .map(|s| s.0.as_str())
@@ -269,24 +339,22 @@ fn validate_mix(
         let w: Vec<u64> = entry.mix.into_values().collect();
         if w.contains(&0) {
             return Err(invalid(format!(
-                "dataset {name:?}: schedule weights must be at least 1 (epoch {})",
-                entry.epoch
+                "dataset {name:?}: schedule weights must be at least 1 ({here})"
             )));
         }
-        weights_fit(&w).map_err(|e| {
-            invalid(format!(
-                "dataset {name:?}: schedule entry for epoch {}: {e}",
-                entry.epoch
-            ))
-        })?;
-        schedule.push((entry.epoch, w));
+        weights_fit(&w)
+            .map_err(|e| invalid(format!("dataset {name:?}: schedule entry {here}: {e}")))?;
+        schedule.push((from, w));
     }
-    Ok(MixDataset {
-        name: name.to_string(),
-        sources,
-        samples_per_epoch,
-        schedule,
-    })
+    Ok(schedule)
+}
+
+/// A schedule entry's start, as the config says it.
+fn describe(from: ScheduleFrom) -> String {
+    match from {
+        ScheduleFrom::Epoch(e) => format!("epoch = {e}"),
+        ScheduleFrom::Sample(n) => format!("at = {n}"),
+    }
 }
 
 fn validate_dataset(

@@ -77,6 +77,9 @@ pub struct Metrics {
     pub zero_copy_mapped_bytes: IntGauge,
     pub sample_index_bytes: IntGauge,
     pub shards_parsed_total: IntCounter,
+    /// Per mix: the schedule entry its streams last sent a frame under (0: the mix's first
+    /// weights, n: the schedule's n-th entry).
+    pub mix_schedule_entry: prometheus::IntGaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -211,6 +214,14 @@ impl Metrics {
             zero_copy_mapped_bytes: gauge("zero_copy_mapped_bytes", "Bytes of the shard files zero-copy clients hold mapped now, per map (at most server.zero_copy_share of cache.max_size)."),
             sample_index_bytes: gauge("sample_index_bytes", "Memory the sample indexes of cached shards take (at most cache.index_memory)."),
             shards_parsed_total: counter("shards_parsed_total", "Shards whose tar was walked to find their samples: read first, or again after their index was dropped (cache.index_memory)."),
+            mix_schedule_entry: reg(
+                &registry,
+                prometheus::IntGaugeVec::new(
+                    Opts::new("mix_schedule_entry", "The schedule entry a mix's streams last sent a frame under: 0 for the mix's first weights, n for the schedule's n-th entry."),
+                    &["dataset"],
+                )
+                .unwrap(),
+            ),
             streams_parked: gauge("streams_parked", "Streams parked now (their clients paused; they hold no shards)."),
             gets_total: {
                 let c = counters(&registry, "gets_total", "shardd get requests, by outcome: served, refused.", &["outcome"]);

@@ -30,6 +30,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::plan::mix::EpochMix;
 use crate::plan::{self, PlanError, Shape, StreamRequest, Topology};
 
 /// The most streams an elastic resume may deal, counted over the new topology and every hop
@@ -237,23 +238,22 @@ fn redistribute(
 
 /// An elastic resume of a mix: each source's rest redistributed as a dataset's is (`split`),
 /// where what an old stream consumed of each source is its interleave's count at its
-/// position. `weights` and `e`: the mix's.
+/// position (the old topology's epoch of the mix, schedule and all: `m`).
 pub fn split_mix(
-    weights: &[u64],
-    e: u64,
+    m: &crate::config::MixDataset,
     hosts: u32,
     req: &StreamRequest,
     origin: &Origin,
 ) -> Result<Vec<Split>, PlanError> {
     check(origin)?;
-    check_size(req, origin, weights.len() as u64)?;
+    check_size(req, origin, m.sources.len() as u64)?;
     let old_req = StreamRequest {
         world_size: origin.world_size,
         num_workers: origin.num_workers,
         ..*req
     };
     let k = origin.num_workers as usize;
-    let (lanes, lens, base_mix) = old_mix_streams(weights, e, origin, &old_req)?;
+    let (lanes, lens, base_mix) = old_mix_streams(m, origin, &old_req)?;
     for (w, &p) in origin.positions.iter().enumerate() {
         let n: u64 = lens.iter().map(|l| l[w]).sum();
         if p > n {
@@ -264,7 +264,7 @@ pub fn split_mix(
     }
     // Each old worker's interleave (the same on every rank): the mix's own order at the
     // base, else the order over what an earlier hop left it.
-    let orders: Vec<Option<(crate::plan::mix::Mix, Vec<usize>)>> = (0..k)
+    let orders: Vec<Option<(EpochMix, Vec<usize>)>> = (0..k)
         .map(|w| match &base_mix {
             Some(mix) => Some((mix.clone(), (0..lens.len()).collect())),
             None => interleave(&lens.iter().map(|l| l[w]).collect::<Vec<_>>()),
@@ -280,19 +280,18 @@ pub fn split_mix(
 
 /// A mix's old streams, per source: their lanes, each old worker's length of the source,
 /// and the mix itself when the origin is the base (not an earlier resume's rest).
-type OldMix = (Vec<Lanes>, Vec<Vec<u64>>, Option<crate::plan::mix::Mix>);
+type OldMix = (Vec<Lanes>, Vec<Vec<u64>>, Option<EpochMix>);
 
 fn old_mix_streams(
-    weights: &[u64],
-    e: u64,
+    m: &crate::config::MixDataset,
     origin: &Origin,
     old_req: &StreamRequest,
 ) -> Result<OldMix, PlanError> {
     let k = origin.num_workers as usize;
     Ok(match &origin.from {
         None => {
-            let mix = crate::plan::mix::Mix::new(weights, e)
-                .map_err(|e| PlanError::BadOrigin(format!("the mix: {e}")))?;
+            let streams = origin.world_size as u128 * origin.num_workers as u128;
+            let mix = m.epoch_mix(old_req.epoch, streams);
             let lanes = (mix.quotas().iter().enumerate())
                 .map(|(i, &quota)| {
                     let source = SourceOf {
@@ -306,7 +305,7 @@ fn old_mix_streams(
             (lanes, lens, Some(mix))
         }
         Some(earlier) => {
-            let prev = split_mix(weights, e, origin.hosts, old_req, earlier)?;
+            let prev = split_mix(m, origin.hosts, old_req, earlier)?;
             let lens = prev.iter().map(|s| s.lengths.clone()).collect();
             (prev.into_iter().map(|s| s.hosts).collect(), lens, None)
         }
@@ -316,7 +315,7 @@ fn old_mix_streams(
 /// `consumed[i][h][s]`: what old stream `s` of old host `h` had read of source `i` at the
 /// checkpoint, from its worker's interleave (`orders`) and position.
 fn consumed_per_source(
-    orders: &[Option<(crate::plan::mix::Mix, Vec<usize>)>],
+    orders: &[Option<(EpochMix, Vec<usize>)>],
     lens: &[Vec<u64>],
     origin: &Origin,
     old_req: &StreamRequest,
@@ -350,21 +349,16 @@ fn consumed_per_source(
 /// The order of an elastic mix stream whose sources have `lens` samples: the sources with
 /// samples left, weighted by them (so each is used up exactly at the end); `None` when fewer
 /// than two have any. Returns the order and the sources it ranges over.
-pub fn interleave(lens: &[u64]) -> Option<(crate::plan::mix::Mix, Vec<usize>)> {
+pub fn interleave(lens: &[u64]) -> Option<(EpochMix, Vec<usize>)> {
     let live: Vec<usize> = (0..lens.len()).filter(|&i| lens[i] > 0).collect();
     let weights: Vec<u64> = live.iter().map(|&i| lens[i]).collect();
-    let mix = crate::plan::mix::Mix::new(&weights, weights.iter().sum()).ok()?;
+    let mix = EpochMix::single(&weights, weights.iter().sum()).ok()?;
     Some((mix, live))
 }
 
 /// Samples of each source (of `lens` each) among the first `at` of a mixed stream ordered
 /// by `order` (an `interleave`, or none when at most one source has samples).
-fn taken(
-    order: &Option<(crate::plan::mix::Mix, Vec<usize>)>,
-    lens: &[u64],
-    key: u64,
-    at: u64,
-) -> Vec<u64> {
+fn taken(order: &Option<(EpochMix, Vec<usize>)>, lens: &[u64], key: u64, at: u64) -> Vec<u64> {
     let mut out = vec![0; lens.len()];
     match order {
         Some((mix, live)) => {

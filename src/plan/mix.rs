@@ -42,6 +42,9 @@
 
 use crate::plan::shuffle::{SplitMix64, key, tag};
 
+pub mod schedule;
+pub use schedule::{EpochCursor, EpochMix};
+
 /// Steps between pins: a resume replays at most this many steps per node.
 pub const BLOCK: u64 = 1 << BLOCK_SHIFT;
 const BLOCK_SHIFT: u32 = 10;
@@ -444,43 +447,6 @@ impl Iterator for Cursor {
     fn size_hint(&self) -> (usize, Option<usize>) {
         let left = usize::try_from(self.mix.e - self.pos);
         (left.unwrap_or(usize::MAX), left.ok())
-    }
-}
-
-/// A mix's plan, epoch by epoch (the config holds what it says: sources, weights, schedule).
-impl crate::config::MixDataset {
-    /// The weights of `epoch`.
-    pub fn weights(&self, epoch: u64) -> Vec<u64> {
-        match self.schedule.iter().rev().find(|(from, _)| *from <= epoch) {
-            Some((_, w)) => w.clone(),
-            None => self.sources.iter().map(|s| s.1).collect(),
-        }
-    }
-
-    /// Each source's quota in `epoch`.
-    pub fn quotas(&self, epoch: u64) -> Vec<u64> {
-        quotas(&self.weights(epoch), self.samples_per_epoch)
-            .expect("the config checked the weights")
-    }
-
-    /// Where source `i`'s streams start `epoch` in its host's endless sequence, over the
-    /// streams of every epoch before (`streams` per host each): with a curriculum each
-    /// source continues where the earlier weights left it.
-    pub fn epoch_base(&self, i: usize, epoch: u64, streams: u128) -> Option<u128> {
-        let mut bounds: Vec<u64> = self.schedule.iter().map(|(e, _)| *e).collect();
-        bounds.retain(|&e| e < epoch);
-        let mut at = 0u128;
-        let mut from = 0u64;
-        for to in bounds.into_iter().chain(std::iter::once(epoch)) {
-            let quota = self.quotas(from)[i] as u128;
-            at = at.checked_add(
-                ((to - from) as u128)
-                    .checked_mul(quota)?
-                    .checked_mul(streams)?,
-            )?;
-            from = to;
-        }
-        Some(at)
     }
 }
 

@@ -41,7 +41,7 @@ impl Run {
 
 /// Which lane each position of a mixed stream takes its sample from.
 pub struct Interleave {
-    pub mix: crate::plan::mix::Mix,
+    pub mix: crate::plan::mix::EpochMix,
     /// Keys the order: (seed, epoch, stream).
     pub key: u64,
 }
@@ -65,6 +65,9 @@ pub struct Plan {
     pub remainder: Option<u64>,
     /// A mix's sources, as START reports them.
     pub sources: Option<Vec<Source>>,
+    /// A mix's segments this epoch, as START reports them (not after an elastic resume:
+    /// its rest is interleaved by what is left of each source).
+    pub segments: Option<Vec<MixSegment>>,
     pub fingerprint: String,
     /// Samples say which dataset they are of (a mix's).
     pub tag_sources: bool,
@@ -78,6 +81,16 @@ pub struct Source {
     pub weight: u64,
     pub samples: u64,
     pub pass: u64,
+}
+
+/// Where a mix's weights change inside an epoch (START's `segments`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MixSegment {
+    /// The stream position it starts at.
+    pub position: u64,
+    /// The schedule entry: 0 for the mix's first weights, n for the n-th entry.
+    pub entry: usize,
+    pub weights: Vec<u64>,
 }
 
 /// Plans stream `req` of `dataset` (one of the config's datasets or mixes): its epoch, or
@@ -102,6 +115,11 @@ fn streams_per_host(host: crate::plan::Topology, req: &StreamRequest) -> u128 {
     (req.world_size / host.count) as u128 * req.num_workers as u128
 }
 
+/// The job's streams: where a mix's `at` entries start depends on them.
+fn job_streams(req: &StreamRequest) -> u128 {
+    req.world_size as u128 * req.num_workers as u128
+}
+
 /// A base stream's plan of dataset `d`, or of a mix's source (its quota as
 /// `samples_per_epoch`, starting where the source's earlier epochs left it, its shuffle keyed
 /// apart from the other sources').
@@ -114,7 +132,12 @@ fn source_plan(
     let mut shape = d.shape();
     if let Some((s, m)) = source {
         shape.samples_per_epoch = Some(s.quota);
-        shape.epoch_base = m.epoch_base(s.index as usize, req.epoch, streams_per_host(host, req));
+        shape.epoch_base = m.epoch_base(
+            s.index as usize,
+            req.epoch,
+            job_streams(req),
+            streams_per_host(host, req),
+        );
         if shape.epoch_base.is_none() {
             return Err(PlanError::EpochTooLarge { epoch: req.epoch });
         }

@@ -71,6 +71,7 @@ pub mod tag {
     pub const MIX: u64 = 7;
     pub const RESAMPLE: u64 = 8;
     pub const MIX_SOURCE: u64 = 9;
+    pub const MIX_SEGMENT: u64 = 10;
 }
 
 /// Cuts a stream into windows and permutes each one, as described at the top of this module.

@@ -329,6 +329,23 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
                 .collect()
         }),
         zero_copy: None,
+        segments: planned.segments.as_ref().map(|segments| {
+            segments
+                .iter()
+                .map(|s| protocol::SegmentStart {
+                    position: s.position,
+                    entry: s.entry,
+                    mix: (planned.sources.iter().flatten())
+                        .map(|source| source.dataset.clone())
+                        .zip(s.weights.iter().copied())
+                        .collect(),
+                })
+                .collect()
+        }),
+        segment: planned
+            .segments
+            .as_ref()
+            .map(|s| s.partition_point(|s| s.position <= req.start).max(1) - 1),
     };
     Ok(Planned {
         lanes: planned.lanes,

@@ -258,6 +258,12 @@ async fn serve_from(
             lane0.first_sample.observe(opened.elapsed().as_secs_f64());
         }
         out.count_sent(&sent, &lanes, end, job);
+        if let Some(c) = &out.cursor {
+            ctx.metrics
+                .mix_schedule_entry
+                .with_label_values(&[&job.id.dataset])
+                .set(c.entry() as i64);
+        }
         if let Some(e) = failed {
             return Err(e);
         }
@@ -272,7 +278,7 @@ struct Outbox {
     lanes: VecDeque<usize>,
     bytes: usize,
     /// A mix's order (`None`: one dataset, one lane).
-    cursor: Option<crate::plan::mix::Cursor>,
+    cursor: Option<crate::plan::mix::EpochCursor>,
     /// A mix's next source, drawn but not yet taken.
     pending: Option<usize>,
 }

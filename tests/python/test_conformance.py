@@ -37,6 +37,9 @@ EVENTS = ["none", "pause", "slow", "kill9", "restart", "resume", "elastic", "bud
 SHARDS, PER_SHARD = 24, 20
 WORLD, SEED, EPOCH, AT = 2, 3, 0, 5
 MIX_E, RESAMPLED_E = 200, 200
+# The mix's weights change from 3:1 to 1:1 at job-wide sample MIX_AT: inside epoch 0, at
+# position MIX_AT / (WORLD × streams per rank) of every stream.
+MIX_AT = 240
 # Samples of about 100 KB, ten to a frame, and streams of 20 MB and more: a stream's rest after
 # a pause is more than the socket and the client's read-ahead hold, so a pause parks it and
 # cuts a frame of several samples (what a park must re-encode the same).
@@ -121,7 +124,8 @@ def data(tmp_path_factory):
         "manifest": f'shards = "{pattern(0, last)}"\nmanifest = "{full}"',
         "web": f'shards = "{pattern(0, 15)}"\nmanifest = "{manifest("web", pattern(0, 15))}"',
         "books": f'shards = "{pattern(16, last)}"\nmanifest = "{manifest("books", pattern(16, last))}"',
-        "mix": f"mix = {{ web = 3, books = 1 }}\nsamples_per_epoch = {MIX_E}",
+        "mix": f"mix = {{ web = 3, books = 1 }}\nsamples_per_epoch = {MIX_E}\n"
+               f"schedule = [{{ at = {MIX_AT}, mix = {{ web = 1, books = 1 }} }}]",
         "resampled": f'shards = "{pattern(0, last)}"\nmanifest = "{full}"\nresampled = true\n'
                      f"samples_per_epoch = {RESAMPLED_E}",
         "tgz": f'shards = "{pattern(0, last, "tgz")}"',
@@ -335,16 +339,21 @@ def check_contract(mode, job, data, streams):
     elif mode == "mix":
         assert counts == [MIX_E * streams] * WORLD
         # Each source is its own exact stream: within a pass, no sample twice. Epoch 0 draws
-        # 150 of web's 320 samples per stream, 50 of books' 160: with 2 streams, no pass ends.
+        # 90 + 40 of web's 320 samples per stream, 30 + 40 of books' 160: with 2 streams, no
+        # pass ends.
         if streams == 1:
             assert len(set(keys)) == len(keys), "a mix's sample read twice in one pass"
+        change = MIX_AT // (WORLD * streams)
         for r in ranks if streams == 1 else []:  # a DataLoader interleaves its workers' streams
-            seen = collections.Counter()
-            for n, (key, source, _) in enumerate(r, 1):
-                assert (key in data["web"]) == (source == "web")
-                seen[source] += 1
-                for name, w in (("web", 3), ("books", 1)):
-                    assert abs(seen[name] - w * n / 4) <= 1, f"prefix bound broken at {n}: {seen}"
+            # The ±1 bound in each segment, counted from its start.
+            for segment, weights in ((r[:change], (3, 1)), (r[change:], (1, 1))):
+                seen = collections.Counter()
+                for n, (key, source, _) in enumerate(segment, 1):
+                    assert (key in data["web"]) == (source == "web")
+                    seen[source] += 1
+                    for name, w in zip(("web", "books"), weights):
+                        assert abs(seen[name] - w * n / sum(weights)) <= 1, \
+                            f"prefix bound broken at {n} of a segment: {seen}"
 
 
 def elastic_cell(d, mode, delivery, data):

@@ -125,12 +125,23 @@ def test_a_mixed_stream_resumes_exactly_and_counts_per_source(make_daemon, mix_c
      'mix source "plain" needs a manifest'),
     ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
      'schedule = [{ epoch = 2, mix = { web = 1 } }]\n',
-     "schedule entry for epoch 2 must weigh the mix's sources, all of them: books, web"),
+     "schedule entry epoch = 2 must weigh the mix's sources, all of them: books, web"),
     ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
      'schedule = [{ epoch = 2, mix = { web = 1, books = 1 } }, { epoch = 2, mix = { web = 1, books = 2 } }]\n',
-     "schedule epochs must increase from 1 (epoch 2 after 2)"),
+     "schedule entries must increase (epoch = 2 after epoch = 2)"),
+    ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
+     'schedule = [{ at = 10, mix = { web = 1, books = 1 } }, { epoch = 2, mix = { web = 1, books = 2 } }]\n',
+     "a schedule is keyed by epochs or by samples, not both (epoch = 2 after at = 10)"),
+    ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
+     'schedule = [{ at = 0, mix = { web = 1, books = 1 } }]\n',
+     "the weights from the start are given twice, by mix and by the schedule's at = 0 entry"),
+    ('[datasets.bad]\nsamples_per_epoch = 5\nschedule = [{ at = 10, mix = { web = 1, books = 1 } }]\n',
+     "a schedule needs the weights from the start: mix = { ... }, or a first entry at = 0"),
+    ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
+     'schedule = [{ at = 10, epoch = 1, mix = { web = 1, books = 1 } }]\n',
+     "a schedule entry starts at an epoch or at a job-wide sample: epoch = N or at = N, one of them"),
 ], ids=["unknown", "zero-weight", "no-length", "one-source", "no-manifest", "schedule-sources",
-        "schedule-order"])
+        "schedule-order", "schedule-kinds", "schedule-twice", "schedule-no-start", "schedule-both-keys"])
 def test_bad_mixes_are_config_errors(mix_config, tmp_path, section, message):
     config = tmp_path / "c.toml"
     config.write_text(mix_config + section)
@@ -139,18 +150,27 @@ def test_bad_mixes_are_config_errors(mix_config, tmp_path, section, message):
     assert run.returncode != 0 and message in run.stderr, run.stderr
 
 
-def test_a_mix_resumes_on_another_topology(make_daemon, mix_config):
+@pytest.mark.parametrize("schedule", [
+    "",
+    # At the old 4 streams, step 127: position 27 of epoch 1, between the two workers'
+    # checkpoint positions.
+    "schedule = [{ at = 508, mix = { books = 1, web = 1 } }]\n",
+], ids=["plain", "across-a-schedule-change"])
+def test_a_mix_resumes_on_another_topology(make_daemon, mix_config, schedule):
     """2 hosts × 1 rank × 2 workers checkpointed mid-epoch, finished on 1 host × 3 ranks: per
     source, what was taken plus what is read is the epoch's samples once each, but the
-    reported drops, as many on every new rank."""
+    reported drops, as many on every new rank. With a schedule change inside the epoch, one
+    old worker checkpointed before it and the other after."""
     header = "[host]\nindex = 0\ncount = 1\n"
+    mix_config += schedule
     body = mix_config[len(header):]
     old = [make_daemon(f"[host]\nindex = {h}\ncount = 2\n" + body, name=f"old{h}") for h in range(2)]
     want, got = collections.Counter(), collections.Counter()
     positions = [30, 25]
     for h, d in enumerate(old):
         for w in range(2):
-            samples, _ = read(d, epoch=1, rank=h, world_size=2, worker=w, num_workers=2)
+            samples, stream = read(d, epoch=1, rank=h, world_size=2, worker=w, num_workers=2)
+            assert len(stream.start_fields["segments"]) == (2 if schedule else 1)
             keys = [(s["__source__"], s["__key__"]) for s in samples]
             want.update(keys)
             got.update(keys[:positions[w]])
@@ -214,6 +234,92 @@ def test_a_curriculum_changes_the_weights_and_each_source_continues(make_daemon,
     full, extra = divmod(len(flat), books)
     times = collections.Counter(collections.Counter(flat).values())
     assert times == ({full: books - extra, full + 1: extra} if extra else {full: books}), times
+
+
+# One job-wide sample index for the schedule tests: at 1 host × 1 rank × 2 workers (2 streams),
+# `at = 260` is step 130: position 30 of epoch 1.
+AT = 260
+SCHEDULE = f"schedule = [{{ at = {AT}, mix = {{ books = 1, web = 1 }} }}]\n"
+
+
+def check_segments(samples, segments):
+    """Each segment (START's) holds each source within ±1 of its weights in every prefix
+    counted from its start; returns each segment's counts."""
+    out = []
+    for j, seg in enumerate(segments):
+        end = segments[j + 1]["position"] if j + 1 < len(segments) else len(samples)
+        total = sum(seg["mix"].values())
+        count = collections.Counter()
+        for n, s in enumerate(samples[seg["position"]:end], 1):
+            count[s["__source__"]] += 1
+            for name, w in seg["mix"].items():
+                assert abs(count[name] - w * n / total) <= 1, (j, n, count)
+        out.append(count)
+    return out
+
+
+def test_a_schedule_changes_the_weights_inside_an_epoch(make_daemon, mix_config, train_paths):
+    """`schedule = [{ at = N, mix = {...} }]` keyed by the job-wide sample: the weights change at
+    the first step where the job has read N samples, inside an epoch. START lists the epoch's
+    segments; the ±1 bound holds in each from its start; each source's samples continue its
+    passes exactly across the change; `start=` resumes across it are exact; the metric says
+    which entry the streams are in."""
+    d = make_daemon(mix_config + SCHEDULE)
+    first, second = {"books": 1, "web": 3}, {"books": 1, "web": 1}
+    want_segments = {
+        0: [{"position": 0, "entry": 0, "mix": first}],
+        1: [{"position": 0, "entry": 0, "mix": first}, {"position": 30, "entry": 1, "mix": second}],
+        2: [{"position": 0, "entry": 1, "mix": second}],
+    }
+    books = len(reference_samples(train_paths[8:]))
+    chunks = []
+    for epoch in range(4):
+        for worker in range(2):
+            samples, stream = read(d, epoch=epoch, worker=worker, num_workers=2)
+            segments = stream.start_fields["segments"]
+            assert segments == want_segments.get(epoch, want_segments[2])
+            counts = check_segments(samples, segments)
+            quotas = {s["dataset"]: s["samples"] for s in stream.start_fields["sources"]}
+            assert quotas == dict(sum(counts, collections.Counter()))
+            if epoch == 1:
+                # 30 positions at 3:1 (books 7.5 rounds up), then 70 at 1:1.
+                assert counts == [{"books": 8, "web": 22}, {"books": 35, "web": 35}]
+                assert d.metric('shardd_mix_schedule_entry{dataset="both"}') == 1
+            chunks.append([s["__key__"] for s in samples if s["__source__"] == "books"])
+    # Read back to back, books' chunks are samples 0.. of its endless sequence of passes:
+    # every sample `full` or `full + 1` times (no jump at the change).
+    flat = [k for c in chunks for k in c]
+    full, extra = divmod(len(flat), books)
+    assert full >= 1
+    times = collections.Counter(collections.Counter(flat).values())
+    assert times == ({full: books - extra, full + 1: extra} if extra else {full: books}), times
+    # `start=` resumes on either side of the change read what the unbroken stream read.
+    whole, _ = read(d, epoch=1, worker=1, num_workers=2)
+    for start in (29, 30, 31, 77):
+        rest, stream = read(d, start=start, epoch=1, worker=1, num_workers=2)
+        assert [s["__key__"] for s in rest] == [s["__key__"] for s in whole[start:]]
+        assert stream.start_fields["segment"] == (0 if start < 30 else 1)
+
+
+def test_a_schedule_is_part_of_the_plan_and_later_entries_may_change(make_daemon, mix_config):
+    """The epoch's segments are in its plan fingerprint: an entry moved inside an epoch changes
+    that epoch's fingerprint (a resume of it is refused as a changed plan); an entry added for a
+    later epoch changes nothing of the epochs before it."""
+    def fingerprints(schedule, name):
+        d = make_daemon(mix_config + schedule, name=name)
+        out = []
+        for epoch in range(3):
+            with shardd.Client(d.socket) as c:
+                out.append(c.stream("both", epoch=epoch, rank=0, world_size=1, worker=0,
+                                    num_workers=2, seed=2).fingerprint)
+        return out
+
+    base = fingerprints(SCHEDULE, "base")
+    moved = fingerprints(SCHEDULE.replace(str(AT), str(AT + 20)), "moved")
+    later = fingerprints(SCHEDULE.replace("]\n", ", { at = 500, mix = { books = 3, web = 1 } }]\n"),
+                         "later")
+    assert moved[0] == base[0] and moved[1] != base[1]
+    assert later[:2] == base[:2] and later[2] != base[2]
 
 
 @pytest.fixture(scope="module")

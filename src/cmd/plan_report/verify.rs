@@ -614,8 +614,9 @@ fn tally(expected: &Marks, got: &Marks) -> (u64, u64, Option<u64>) {
 }
 
 /// The largest |count_i − n·len_i/total| over every prefix `n` of a mixed stream whose lanes
-/// hold `lens`; NaN when the order does not end at exactly `lens`.
-fn mix_worst(mix: &crate::plan::mix::Mix, key: u64, lens: &[u64]) -> f64 {
+/// hold `lens` (a resumed rest's interleave: one segment, weighted by `lens`); NaN when the
+/// order does not end at exactly `lens`.
+fn mix_worst(mix: &crate::plan::mix::EpochMix, key: u64, lens: &[u64]) -> f64 {
     let total: u64 = lens.iter().sum();
     let mut counts = vec![0u64; lens.len()];
     let mut worst = 0f64;

@@ -2,6 +2,22 @@ use super::*;
 use crate::plan::shuffle::SplitMix64;
 use std::collections::HashMap;
 
+/// A mix of `weights.len()` sources (named s0, s1, ...) of `e` samples per stream and epoch.
+fn mix_of(
+    weights: &[u64],
+    e: u64,
+    schedule: Vec<(crate::config::ScheduleFrom, Vec<u64>)>,
+) -> crate::config::MixDataset {
+    crate::config::MixDataset {
+        name: "mix".into(),
+        sources: (weights.iter().enumerate())
+            .map(|(i, &w)| (format!("s{i}"), w))
+            .collect(),
+        samples_per_epoch: e,
+        schedule,
+    }
+}
+
 /// A plan's samples in output order, named (shard, index), shuffled as the stream does.
 fn shuffled(p: &plan::StreamPlan, window: usize) -> Vec<(usize, u64)> {
     let mut flat: Vec<(usize, u64)> = p
@@ -298,10 +314,19 @@ fn a_mix_resumes_elastically_exactly_once_per_source() {
         let window = 1 + rng.below(8) as usize;
         let (seed, epoch) = (rng.next_u64(), rng.below(3));
         let t0 = random_topo(&mut rng);
-        let quotas = crate::plan::mix::Mix::new(&weights, e)
-            .unwrap()
-            .quotas()
-            .to_vec();
+        // Half the cases change the weights inside or around the epoch (a schedule entry at
+        // a job-wide sample): the old streams' epoch has two segments.
+        let streams0 = (t0.hosts * t0.ranks * t0.workers) as u64;
+        let schedule = match case % 2 {
+            0 => vec![],
+            _ => vec![(
+                crate::config::ScheduleFrom::Sample(1 + rng.below((epoch + 2) * e * streams0)),
+                vec![1 + rng.below(4), 1 + rng.below(4)],
+            )],
+        };
+        let m = mix_of(&weights, e, schedule);
+        let mix = m.epoch_mix(epoch, streams0 as u128);
+        let quotas = mix.quotas().to_vec();
         // The whole epoch of each source, and what the old streams consumed of it.
         let mut want = [HashMap::new(), HashMap::new()];
         let mut got: [HashMap<(usize, u64), u32>; 2] = [HashMap::new(), HashMap::new()];
@@ -316,7 +341,6 @@ fn a_mix_resumes_elastically_exactly_once_per_source() {
                     worker: s % t0.workers,
                     num_workers: t0.workers,
                 };
-                let mix = crate::plan::mix::Mix::new(&weights, e).unwrap();
                 let taken = mix.counts_at(plan::stream_key(&req), positions[req.worker as usize]);
                 for i in 0..2 {
                     let seg = Segment {
@@ -358,7 +382,7 @@ fn a_mix_resumes_elastically_exactly_once_per_source() {
             worker: 0,
             num_workers: t.workers,
         };
-        let splits = split_mix(&weights, e, t.hosts, &req, &origin).unwrap();
+        let splits = split_mix(&m, t.hosts, &req, &origin).unwrap();
         for (i, split) in splits.iter().enumerate() {
             let mut per_rank = HashMap::new();
             for (h, streams) in split.hosts.iter().enumerate() {
@@ -504,7 +528,13 @@ fn requests_past_the_bound_are_refused_before_any_work() {
     };
     refused(plan(shape, host, &wide, &origin(1, 1)));
     // A mix's split is per source.
-    let e = split_mix(&[1, 1, 1], 30, 1, &req, &origin(1 << 17, 1)).err();
+    let e = split_mix(
+        &mix_of(&[1, 1, 1], 30, vec![]),
+        1,
+        &req,
+        &origin(1 << 17, 1),
+    )
+    .err();
     assert!(matches!(e, Some(PlanError::BadOrigin(m)) if m.contains("times 3 sources")));
     // A chain of resumes is bounded in hops, whatever its streams.
     let mut chain = origin(1, 1);

@@ -53,6 +53,7 @@ pub(super) fn plan_dataset(
         dropped,
         remainder,
         sources: None,
+        segments: None,
         fingerprint,
         tag_sources: false,
     })

@@ -13,9 +13,8 @@ pub(super) fn plan_mix(
     resume_from: Option<&crate::plan::elastic::Origin>,
     with_next: bool,
 ) -> Result<Plan, PlanError> {
-    let weights = m.weights(req.epoch);
-    let e = m.samples_per_epoch;
-    let mix = crate::plan::mix::Mix::new(&weights, e).expect("the config checked the mix");
+    let mix = m.epoch_mix(req.epoch, job_streams(&req));
+    let weights = mix.segments()[0].weights.clone();
     let key = crate::plan::stream_key(&req);
     let datasets: Vec<&crate::config::Dataset> = m
         .sources
@@ -31,9 +30,32 @@ pub(super) fn plan_mix(
     {
         h.update(fingerprint(d, config, &req, Some(quota), None));
         h.update(weight.to_le_bytes());
-        let base = m.epoch_base(i, req.epoch, streams_per_host(config.host, &req));
+        let base = m.epoch_base(
+            i,
+            req.epoch,
+            job_streams(&req),
+            streams_per_host(config.host, &req),
+        );
         h.update(base.unwrap_or(u128::MAX).to_le_bytes());
     }
+    // Segments after the first: where each starts and its weights (an epoch of one segment
+    // hashes as it did before schedules had segments).
+    for s in &mix.segments()[1..] {
+        h.update(s.start.to_le_bytes());
+        for w in &s.weights {
+            h.update(w.to_le_bytes());
+        }
+    }
+    let segments = resume_from.is_none().then(|| {
+        mix.segments()
+            .iter()
+            .map(|s| crate::plan::request::MixSegment {
+                position: s.start,
+                entry: s.entry,
+                weights: s.weights.clone(),
+            })
+            .collect()
+    });
     let MixLanes {
         lanes,
         interleave,
@@ -44,7 +66,7 @@ pub(super) fn plan_mix(
         None => whole_lanes(config, m, &datasets, &req, &mix)?,
         Some(origin) => {
             h.update(serde_json::to_vec(origin).expect("an origin serialises"));
-            resumed_lanes(config, m, &datasets, &req, &weights, origin)?
+            resumed_lanes(config, m, &datasets, &req, origin)?
         }
     };
     // The lanes an interleave ranges over, in its order; one lane when only one source is
@@ -66,8 +88,13 @@ pub(super) fn plan_mix(
         if order.contains(&i) {
             let next = req.epoch.saturating_add(1);
             let shape = crate::plan::Shape {
-                samples_per_epoch: Some(m.quotas(next)[i]),
-                epoch_base: m.epoch_base(i, next, streams_per_host(config.host, &req)),
+                samples_per_epoch: Some(m.quotas(next, job_streams(&req))[i]),
+                epoch_base: m.epoch_base(
+                    i,
+                    next,
+                    job_streams(&req),
+                    streams_per_host(config.host, &req),
+                ),
                 ..d.shape()
             };
             planned.push(Lane {
@@ -84,6 +111,7 @@ pub(super) fn plan_mix(
         dropped,
         remainder,
         sources: Some(sources),
+        segments,
         fingerprint: hex::encode(&h.finalize()[..8]),
         tag_sources: true,
     })
@@ -93,7 +121,7 @@ pub(super) fn plan_mix(
 /// over the sources with samples, and each source's samples.
 struct MixLanes {
     lanes: Vec<Vec<Run>>,
-    interleave: Option<(crate::plan::mix::Mix, Vec<usize>)>,
+    interleave: Option<(crate::plan::mix::EpochMix, Vec<usize>)>,
     lens: Vec<u64>,
     dropped: u64,
     remainder: Option<u64>,
@@ -105,7 +133,7 @@ fn whole_lanes(
     m: &crate::config::MixDataset,
     datasets: &[&crate::config::Dataset],
     req: &StreamRequest,
-    mix: &crate::plan::mix::Mix,
+    mix: &crate::plan::mix::EpochMix,
 ) -> Result<MixLanes, PlanError> {
     let lanes = (0..datasets.len())
         .map(|i| {
@@ -135,18 +163,11 @@ fn resumed_lanes(
     m: &crate::config::MixDataset,
     datasets: &[&crate::config::Dataset],
     req: &StreamRequest,
-    weights: &[u64],
     origin: &crate::plan::elastic::Origin,
 ) -> Result<MixLanes, PlanError> {
     // The request's own topology first: the split divides by its world size.
     let local = crate::plan::validate(config.host, req)?;
-    let splits = crate::plan::elastic::split_mix(
-        weights,
-        m.samples_per_epoch,
-        config.host.count,
-        req,
-        origin,
-    )?;
+    let splits = crate::plan::elastic::split_mix(m, config.host.count, req, origin)?;
     let stream = local * req.num_workers as usize + req.worker as usize;
     let lanes = splits
         .iter()
