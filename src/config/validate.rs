@@ -254,6 +254,10 @@ fn validate_mix(
     })
 }
 
+/// The most entries a mix's schedule may have: a stream's plan holds the segments of its epoch
+/// and finds where each source starts in O(entries · log entries).
+const MAX_SCHEDULE: usize = 10_000;
+
 /// A mix's weights from its start: `mix`, or its schedule's `at = 0` entry (taken out of the
 /// schedule), not both.
 fn first_weights(
@@ -284,6 +288,12 @@ fn validate_schedule(
     sources: &[(String, u64)],
     entries: Vec<ScheduleEntry>,
 ) -> Result<Vec<(ScheduleFrom, Vec<u64>)>, ConfigError> {
+    if entries.len() > MAX_SCHEDULE {
+        return Err(invalid(format!(
+            "dataset {name:?}: a schedule has at most {MAX_SCHEDULE} entries, this one {}",
+            entries.len()
+        )));
+    }
     let mut schedule: Vec<(ScheduleFrom, Vec<u64>)> = Vec::new();
     for entry in entries {
         let from = match (entry.epoch, entry.at) {

@@ -140,8 +140,12 @@ def test_a_mixed_stream_resumes_exactly_and_counts_per_source(make_daemon, mix_c
     ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\n'
      'schedule = [{ at = 10, epoch = 1, mix = { web = 1, books = 1 } }]\n',
      "a schedule entry starts at an epoch or at a job-wide sample: epoch = N or at = N, one of them"),
+    ('[datasets.bad]\nmix = { web = 3, books = 1 }\nsamples_per_epoch = 5\nschedule = ['
+     + ", ".join(f"{{ at = {n}, mix = {{ web = 1, books = 1 }} }}" for n in range(1, 10_002)) + "]\n",
+     "a schedule has at most 10000 entries, this one 10001"),
 ], ids=["unknown", "zero-weight", "no-length", "one-source", "no-manifest", "schedule-sources",
-        "schedule-order", "schedule-kinds", "schedule-twice", "schedule-no-start", "schedule-both-keys"])
+        "schedule-order", "schedule-kinds", "schedule-twice", "schedule-no-start", "schedule-both-keys",
+        "schedule-too-long"])
 def test_bad_mixes_are_config_errors(mix_config, tmp_path, section, message):
     config = tmp_path / "c.toml"
     config.write_text(mix_config + section)
