@@ -6,7 +6,8 @@
 //! when the host reads a piece of it), and samples dropped. Then the spread between hosts.
 //! Without a manifest (shard-level plans) there are no sample counts nor sizes: shards only.
 //! With `--from`, also what an elastic resume from another topology reads on each new host
-//! and what of it must be fetched (see [`resize`]).
+//! and what of it must be fetched (see [`resize`]). For a mix (`--dataset MIX`): where its
+//! schedule changes the weights at this topology, and the epoch's segments ([`schedule`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 
 mod resize;
+mod schedule;
 mod sizing;
 mod text;
 pub mod verify;
@@ -208,6 +210,16 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
     if args.verify {
         return verify_run(config, args).await;
     }
+    if let Some(m) = args.dataset.as_ref().and_then(|n| config.mixes.get(n)) {
+        let streams = args.hosts as u128 * args.ranks as u128 * args.workers as u128;
+        let r = schedule::report(m, streams, args.epoch);
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        } else {
+            print!("{}", schedule::text(&r));
+        }
+        return Ok(());
+    }
     let name = match &args.dataset {
         Some(name) => name.clone(),
         None if config.datasets.len() == 1 => config.datasets.keys().next().unwrap().clone(),
@@ -223,7 +235,10 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
         ),
     };
     if !config.datasets.contains_key(&name) {
-        let known: Vec<&str> = config.datasets.keys().map(String::as_str).collect();
+        let known: Vec<&str> = (config.datasets.keys())
+            .chain(config.mixes.keys())
+            .map(String::as_str)
+            .collect();
         bail!(
             "unknown dataset {name:?}; the config has: {}",
             known.join(", ")

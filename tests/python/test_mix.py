@@ -305,6 +305,33 @@ def test_a_schedule_changes_the_weights_inside_an_epoch(make_daemon, mix_config,
         assert stream.start_fields["segment"] == (0 if start < 30 else 1)
 
 
+def test_shardd_plan_says_where_a_schedule_changes_the_weights(mix_config, tmp_path):
+    """`shardd plan --dataset MIX`: where each entry lands at the job's topology (the same
+    `at` is another position at another job size), and the epoch's segments with their
+    quotas, which are the daemon's (test above)."""
+    config = tmp_path / "c.toml"
+    config.write_text(mix_config + SCHEDULE)
+
+    def plan(workers, *extra):
+        run = subprocess.run([SHARDD, "plan", "--config", str(config), "--hosts", "1", "--ranks", "1",
+                              "--workers", str(workers), "--dataset", "both", *extra],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    text = plan(2, "--epoch", "1")
+    assert "entry 1 (at = 260, { books = 1, web = 1 }): from step 130, epoch 1 position 30, " \
+           "after 260 samples job-wide" in text, text
+    assert "from position 0 under entry 0: books 8, web 22 per stream" in text
+    assert "from position 30 under entry 1: books 35, web 35 per stream" in text
+    import json
+    wide = json.loads(plan(4, "--json"))
+    assert wide["streams"] == 4
+    assert [(e["entry"], e["epoch"], e["position"], e["job_samples"]) for e in wide["entries"]] == \
+        [(0, 0, 0, 0), (1, 0, 65, 260)]
+    assert [(s["position"], s["entry"]) for s in wide["segments"]] == [(0, 0), (65, 1)]
+
+
 def test_a_schedule_is_part_of_the_plan_and_later_entries_may_change(make_daemon, mix_config):
     """The epoch's segments are in its plan fingerprint: an entry moved inside an epoch changes
     that epoch's fingerprint (a resume of it is refused as a changed plan); an entry added for a
