@@ -1,6 +1,7 @@
 //! Whole REQUEST bodies (JSON, as a client sends them) planned against a fixed config: a
 //! shard-level dataset, two with manifests (one with `samples_per_epoch`), a resampled one, a
-//! mix of three with a curriculum and a mix of two, as one host and as host 1 of 2. Planning
+//! mix of three with a curriculum, a mix of two and one whose schedule has 1,000 entries
+//! inside epochs, as one host and as host 1 of 2. Planning
 //! is `plan::request::plan`, what the daemon runs on its blocking pool for every request it
 //! accepts, with any `resume_from` origin chain (elastic resume) a client can write.
 //!
@@ -58,6 +59,24 @@ mix = { web = 1, books = 1 }
 samples_per_epoch = 100
 "#;
 
+/// A mix whose schedule has 1,000 entries keyed by job-wide samples: the more streams a job
+/// has, the more of them fall in epoch 0 (401 segments at 40,000: seed `bound-mix-segments`).
+fn timed_mix() -> String {
+    let entries: Vec<String> = (1..=1000)
+        .map(|i| {
+            format!(
+                "{{ at = {}, mix = {{ web = {}, books = 1 }} }}",
+                i * 10_000_000u64,
+                1 + i % 3
+            )
+        })
+        .collect();
+    format!(
+        "[datasets.timed]\nmix = {{ web = 1, books = 1 }}\nsamples_per_epoch = 100000\nschedule = [{}]\n",
+        entries.join(", ")
+    )
+}
+
 /// The config as host 0 of 1 and as host 1 of 2, with manifests' counts as the daemon sets
 /// them at start: up to 200,000 samples a shard (enough for every stream at the elastic
 /// bound to have some), the first shard of each dataset empty.
@@ -67,7 +86,8 @@ static CONFIGS: LazyLock<Vec<Config>> = LazyLock::new(|| {
         .map(|(index, count)| {
             let text = CONFIG
                 .replace("HOST_INDEX", &index.to_string())
-                .replace("HOST_COUNT", &count.to_string());
+                .replace("HOST_COUNT", &count.to_string())
+                + &timed_mix();
             let mut config = Config::parse(&text, Path::new("/")).expect("the config is valid");
             for d in config.datasets.values_mut() {
                 if d.manifest.is_some() {

@@ -209,6 +209,10 @@ def requests():
     for _ in range(15):
         chain = origin(bound // 16 - 1, position=1, **{"from": chain})
     req("bound-chain", resume_from=chain)
+    # A schedule whose entries cut epoch 0 of the old topology (40,000 streams) into 401
+    # segments, replayed for each of 10,000 old workers: the epoch's segments were copied per
+    # worker (~1.4 GB).
+    req("bound-mix-segments", dataset="timed", op="plan", resume_from=origin(4, num_workers=10_000))
     # A mix's origin was split before the request was checked: world_size 0 divided by zero.
     req("mix-world-zero", op="plan", dataset="pair", world_size=0, resume_from=origin(1))
 

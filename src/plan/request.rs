@@ -44,6 +44,9 @@ pub struct Interleave {
     pub mix: crate::plan::mix::EpochMix,
     /// Keys the order: (seed, epoch, stream).
     pub key: u64,
+    /// Whether its segments are the mix's schedule (not after an elastic resume, whose rest
+    /// is interleaved by what is left of each source).
+    pub scheduled: bool,
 }
 
 /// What a stream reads of one dataset (of a mix's sources, one of them).

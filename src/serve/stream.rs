@@ -258,7 +258,13 @@ async fn serve_from(
             lane0.first_sample.observe(opened.elapsed().as_secs_f64());
         }
         out.count_sent(&sent, &lanes, end, job);
-        if let Some(c) = &out.cursor {
+        if let (
+            Some(c),
+            Some(crate::plan::request::Interleave {
+                scheduled: true, ..
+            }),
+        ) = (&out.cursor, &job.mix)
+        {
             ctx.metrics
                 .mix_schedule_entry
                 .with_label_values(&[&job.id.dataset])

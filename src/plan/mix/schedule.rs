@@ -17,6 +17,8 @@
 //! Where each source's stream starts an epoch (`epoch_base`) sums its quotas over the earlier
 //! epochs, which change only at epochs where an entry starts: O(entries · log entries).
 
+use std::sync::Arc;
+
 use super::{Cursor, Mix, MixError};
 use crate::config::{MixDataset, ScheduleFrom};
 use crate::plan::shuffle::{key, tag};
@@ -31,10 +33,13 @@ pub struct Segment {
     pub mix: Mix,
 }
 
-/// An epoch of a mix: one or more segments, end to end.
+/// An epoch of a mix: one or more segments, end to end. Cheap to clone (every stream's
+/// cursor holds one): the segments are shared.
 #[derive(Debug, Clone)]
 pub struct EpochMix {
-    segments: Vec<Segment>,
+    segments: Arc<[Segment]>,
+    /// Each source's samples in the segments before each segment.
+    before: Arc<[Vec<u64>]>,
     quotas: Vec<u64>,
     e: u64,
 }
@@ -59,13 +64,16 @@ impl EpochMix {
             });
         }
         let mut quotas = vec![0; segments[0].weights.len()];
+        let mut before = Vec::with_capacity(segments.len());
         for s in &segments {
+            before.push(quotas.clone());
             for (q, &n) in quotas.iter_mut().zip(s.mix.quotas()) {
                 *q += n;
             }
         }
         Ok(EpochMix {
-            segments,
+            segments: segments.into(),
+            before: before.into(),
             quotas,
             e,
         })
@@ -106,12 +114,7 @@ impl EpochMix {
     pub fn counts_at(&self, stream_key: u64, t: u64) -> Vec<u64> {
         let t = t.min(self.e);
         let at = self.segment_at(t);
-        let mut counts = vec![0; self.quotas.len()];
-        for s in &self.segments[..at] {
-            for (c, &q) in counts.iter_mut().zip(s.mix.quotas()) {
-                *c += q;
-            }
-        }
+        let mut counts = self.before[at].clone();
         let s = &self.segments[at];
         let here = s.mix.counts_at(Self::key(s, stream_key), t - s.start);
         for (c, n) in counts.iter_mut().zip(here) {
@@ -218,20 +221,15 @@ impl MixDataset {
         self.epoch_mix(epoch, streams).quotas
     }
 
-    /// Where source `i`'s streams start `epoch` in its host's endless sequence: its quotas of
-    /// every epoch before, times `host_streams` (per host), so that each source continues
+    /// Where each source's streams start `epoch` in its host's endless sequence: its quotas
+    /// of every epoch before, times `host_streams` (per host), so that each source continues
     /// where the earlier weights left it. `streams`: job-wide, for where entries start.
-    pub fn epoch_base(
-        &self,
-        i: usize,
-        epoch: u64,
-        streams: u128,
-        host_streams: u128,
-    ) -> Option<u128> {
+    /// `None` past u128.
+    pub fn epoch_bases(&self, epoch: u64, streams: u128, host_streams: u128) -> Option<Vec<u128>> {
         let e = self.samples_per_epoch as u128;
         // The epochs whose quotas may differ from the epoch's before: 0 and those an entry
-        // starts in. Between two of them, every epoch has the weights in force at the end of
-        // the first, whole.
+        // starts in (sorted: entries' steps never decrease). Between two of them, every
+        // epoch has the weights in force at the end of the first, whole.
         let mut changes: Vec<u64> = std::iter::once(0)
             .chain(self.schedule.iter().map(|(from, _)| {
                 u64::try_from(self.step(*from, streams) / e.max(1)).unwrap_or(u64::MAX)
@@ -239,17 +237,33 @@ impl MixDataset {
             .filter(|&c| c < epoch)
             .collect();
         changes.dedup();
-        let mut at = 0u128;
+        let mut at = vec![0u128; self.sources.len()];
+        let mut add = |quotas: Vec<u64>, times: u128| -> Option<()> {
+            for (a, q) in at.iter_mut().zip(quotas) {
+                *a = a.checked_add((q as u128).checked_mul(times)?.checked_mul(host_streams)?)?;
+            }
+            Some(())
+        };
         for (j, &c) in changes.iter().enumerate() {
             let next = changes.get(j + 1).copied().unwrap_or(epoch);
-            at = at.checked_add((self.quotas(c, streams)[i] as u128).checked_mul(host_streams)?)?;
+            add(self.quotas(c, streams), 1)?;
             let whole = (next - c - 1) as u128;
             if whole > 0 {
-                let quota = self.quotas(c + 1, streams)[i] as u128;
-                at = at.checked_add(whole.checked_mul(quota)?.checked_mul(host_streams)?)?;
+                add(self.quotas(c + 1, streams), whole)?;
             }
         }
         Some(at)
+    }
+
+    /// Source `i`'s entry of [`Self::epoch_bases`].
+    pub fn epoch_base(
+        &self,
+        i: usize,
+        epoch: u64,
+        streams: u128,
+        host_streams: u128,
+    ) -> Option<u128> {
+        self.epoch_bases(epoch, streams, host_streams).map(|b| b[i])
     }
 }
 

@@ -23,6 +23,11 @@ pub(super) fn plan_mix(
         .collect();
     use md5::Digest;
     let mut h = md5::Md5::new();
+    let bases = m.epoch_bases(
+        req.epoch,
+        job_streams(&req),
+        streams_per_host(config.host, &req),
+    );
     for (i, (d, (&quota, weight))) in datasets
         .iter()
         .zip(mix.quotas().iter().zip(&weights))
@@ -30,12 +35,7 @@ pub(super) fn plan_mix(
     {
         h.update(fingerprint(d, config, &req, Some(quota), None));
         h.update(weight.to_le_bytes());
-        let base = m.epoch_base(
-            i,
-            req.epoch,
-            job_streams(&req),
-            streams_per_host(config.host, &req),
-        );
+        let base = bases.as_ref().map(|b| b[i]);
         h.update(base.unwrap_or(u128::MAX).to_le_bytes());
     }
     // Segments after the first: where each starts and its weights (an epoch of one segment
@@ -75,6 +75,9 @@ pub(super) fn plan_mix(
         Some((_, live)) => live.clone(),
         None => vec![lens.iter().position(|&n| n > 0).unwrap_or(0)],
     };
+    let next = req.epoch.saturating_add(1);
+    let next_quotas = m.quotas(next, job_streams(&req));
+    let next_bases = m.epoch_bases(next, job_streams(&req), streams_per_host(config.host, &req));
     let mut sources = Vec::new();
     let mut planned = Vec::new();
     for (i, runs) in lanes.into_iter().enumerate() {
@@ -86,15 +89,9 @@ pub(super) fn plan_mix(
             pass: runs.first().map_or(0, |r| r.plan.pass),
         });
         if order.contains(&i) {
-            let next = req.epoch.saturating_add(1);
             let shape = crate::plan::Shape {
-                samples_per_epoch: Some(m.quotas(next, job_streams(&req))[i]),
-                epoch_base: m.epoch_base(
-                    i,
-                    next,
-                    job_streams(&req),
-                    streams_per_host(config.host, &req),
-                ),
+                samples_per_epoch: Some(next_quotas[i]),
+                epoch_base: next_bases.as_ref().map(|b| b[i]),
                 ..d.shape()
             };
             planned.push(Lane {
@@ -106,7 +103,11 @@ pub(super) fn plan_mix(
     }
     Ok(Plan {
         lanes: planned,
-        mix: interleave.map(|(mix, _)| Interleave { mix, key }),
+        mix: interleave.map(|(mix, _)| Interleave {
+            mix,
+            key,
+            scheduled: resume_from.is_none(),
+        }),
         samples: Some(lens.iter().sum()),
         dropped,
         remainder,
