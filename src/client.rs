@@ -143,6 +143,7 @@ impl Request {
             start: 0,
             resume_from: None,
             zero_copy: false,
+            history: Vec::new(),
         }
     }
 }

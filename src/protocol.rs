@@ -16,7 +16,7 @@ use crate::shard::Sample;
 
 /// First bytes each side sends: magic, then the protocol version (u16, little-endian).
 pub const MAGIC: &[u8; 6] = b"SHARDD";
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// The oldest client version the daemon still serves (version 1 has no `start`).
 pub const OLDEST_VERSION: u16 = 1;
 pub const PREAMBLE_LEN: usize = 8;
@@ -99,6 +99,10 @@ pub struct Request {
     /// Zero-copy delivery (`mapped.rs`): shard files passed as descriptors. Version 5.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub zero_copy: bool,
+    /// The topologies the job had before this one, oldest first, so that its passes go on
+    /// across resizes (`plan/passes.rs`). Version 7.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<crate::plan::passes::Hop>,
 }
 
 impl Request {

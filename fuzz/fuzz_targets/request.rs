@@ -125,6 +125,7 @@ fuzz_target!(|data: &[u8]| {
                 &req.dataset,
                 stream,
                 req.resume_from.as_ref(),
+                &req.history,
                 req.op == "stream",
             )
         });

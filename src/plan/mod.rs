@@ -38,6 +38,7 @@
 
 pub mod elastic;
 pub mod mix;
+pub mod passes;
 pub mod request;
 pub mod shuffle;
 
@@ -59,6 +60,7 @@ impl crate::config::Dataset {
             resampled: self.resampled,
             epoch_base: None,
             share: Some(&self.share),
+            passes: passes::Passes::default(),
         }
     }
 }
@@ -92,6 +94,9 @@ pub struct Shape<'a> {
     pub epoch_base: Option<u128>,
     /// The dataset's [`ShareCache`], when it has one (the daemon's datasets do).
     pub share: Option<&'a ShareCache>,
+    /// With `samples_per_epoch`: the topologies the job had before this one, so that its
+    /// passes go on across them ([`passes`]). None: the job never resized.
+    pub passes: passes::Passes<'a>,
 }
 
 impl Shape<'_> {
@@ -105,6 +110,7 @@ impl Shape<'_> {
             resampled: false,
             epoch_base: None,
             share: None,
+            passes: passes::Passes::default(),
         }
     }
 }
@@ -142,6 +148,8 @@ pub enum PlanError {
     ElasticNeedsManifest,
     #[error("resume_from: {0}")]
     BadOrigin(String),
+    #[error("history: {0}")]
+    BadHistory(String),
 }
 
 /// A run of one shard's samples, in tar order: samples `start..end` (`end: None` = to the
@@ -318,9 +326,16 @@ fn share_ends(shape: Shape, counts: &[u64]) -> Arc<[u64]> {
     }
 }
 
-/// A host's pieces (share order) and the total samples of the dataset: the shards whose
-/// samples fall in the host's range, found by binary search on the running counts.
+/// A host's pieces (share order) and the total samples of the dataset.
 fn host_pieces(counts: &[u64], shape: Shape, host: Topology) -> (Vec<Piece>, u128) {
+    let (spans, total) = host_spans(counts, shape, host);
+    (spans.into_iter().map(|s| s.piece).collect(), total)
+}
+
+/// A host's pieces (share order) with where each lies in the share order, and the total
+/// samples of the dataset: the shards whose samples fall in the host's range, found by
+/// binary search on the running counts.
+fn host_spans(counts: &[u64], shape: Shape, host: Topology) -> (Vec<passes::Span>, u128) {
     let order = share_order(shape);
     let ends = share_ends(shape, counts);
     let total = ends.last().copied().unwrap_or(0) as u128;
@@ -337,10 +352,13 @@ fn host_pieces(counts: &[u64], shape: Shape, host: Topology) -> (Vec<Piece>, u12
         }
         let (x, y) = (a.max(lo), b.min(hi));
         if x < y {
-            pieces.push(Piece {
-                shard,
-                start: (x - a) as u64,
-                end: Some((y - a) as u64),
+            pieces.push(passes::Span {
+                piece: Piece {
+                    shard,
+                    start: (x - a) as u64,
+                    end: Some((y - a) as u64),
+                },
+                at: x,
             });
         }
     }
@@ -355,9 +373,10 @@ fn plan_samples(
     local_rank: usize,
     stream_key: u64,
 ) -> Result<StreamPlan, PlanError> {
-    let (pieces, total) = host_pieces(counts, shape, host);
-    let here: u128 = pieces.iter().map(|p| len(p) as u128).sum();
+    let (spans, total) = host_spans(counts, shape, host);
+    let here: u128 = spans.iter().map(|s| len(&s.piece) as u128).sum();
     let streams = (req.world_size / host.count) as u128 * req.num_workers as u128;
+    let resized = !shape.passes.hops.is_empty() && shape.samples_per_epoch.is_some();
     let stream = local_rank as u128 * req.num_workers as u128 + req.worker as u128;
     let epoch = req.epoch as u128;
     let (per_stream, epoch_start, dropped) = match shape.samples_per_epoch {
@@ -372,28 +391,41 @@ fn plan_samples(
             let e = e as u128;
             // Up to 2^64 · 2^64 · 2^64: past u128 for absurd epochs, refused below.
             let start = match shape.epoch_base {
+                _ if resized => {
+                    let job = req.world_size as u128 * req.num_workers as u128;
+                    let first = shape.passes.first_epoch();
+                    passes::position(&shape, job, streams, first, req.epoch)
+                }
                 Some(base) => Some(base),
                 None => epoch.checked_mul(e).and_then(|x| x.checked_mul(streams)),
             };
             (e, start, 0)
         }
     };
+    // The host's sequence: its passes, after a head when the job was resized.
+    let sequence = if resized {
+        let spans_of = |t: Topology| host_spans(counts, shape, t).0;
+        passes::sequence(&shape, req.seed, host, total, &spans_of)?
+    } else {
+        passes::Sequence::new(spans, Vec::new(), req.seed, host)
+    };
+    let head = sequence.head_len();
     // The stream's first sample in the host's endless sequence; its pass must fit a u64.
     let from = epoch_start
         .and_then(|s| s.checked_add(stream * per_stream))
         .filter(|from| {
             from.checked_add(per_stream)
-                .is_some_and(|end| end / here.max(1) <= u64::MAX as u128)
+                .is_some_and(|end| end.saturating_sub(head) / here.max(1) <= u64::MAX as u128)
         });
     let Some(from) = from else {
         return Err(PlanError::EpochTooLarge { epoch: req.epoch });
     };
     Ok(StreamPlan {
-        pieces: take(&pieces, here, req.seed, host, from, per_stream),
+        pieces: sequence.take(from, per_stream),
         stream_key,
         samples: Some(per_stream as u64),
         dropped: dropped as u64,
-        pass: (from / here.max(1)) as u64,
+        pass: (from.saturating_sub(head) / here.max(1)) as u64,
     })
 }
 
@@ -451,67 +483,6 @@ fn plan_resampled(
 
 fn len(p: &Piece) -> u64 {
     p.end.expect("sample-level pieces are bounded") - p.start
-}
-
-/// Samples `from..from + count` of the host's endless sequence (pass 0, pass 1, ...), as
-/// pieces. Pass p is the host's pieces permuted with (seed, p, host), concatenated, and
-/// rotated by an offset drawn from the same key, so that the samples an epoch leaves out at
-/// the end of its pass are other ones every epoch, even when the host has a single piece.
-fn take(
-    pieces: &[Piece],
-    here: u128,
-    seed: u64,
-    host: Topology,
-    from: u128,
-    count: u128,
-) -> Vec<Piece> {
-    let mut out: Vec<Piece> = Vec::new();
-    let (mut at, end) = (from, from + count);
-    while at < end {
-        let pass = (at / here) as u64;
-        let mut rng = SplitMix64::new(shuffle::key(&[
-            tag::PASS_ORDER,
-            seed,
-            pass,
-            host.index as u64,
-        ]));
-        let mut order = pieces.to_vec();
-        shuffle::shuffle(&mut order, &mut rng);
-        let rotate = rng.below(here as u64) as u128;
-        let pass_start = pass as u128 * here;
-        let (x, y) = (at - pass_start, end.min(pass_start + here) - pass_start);
-        let (a, b) = (x + rotate, y + rotate);
-        if b <= here {
-            extract(&order, a, b, &mut out);
-        } else if a >= here {
-            extract(&order, a - here, b - here, &mut out);
-        } else {
-            extract(&order, a, here, &mut out);
-            extract(&order, 0, b - here, &mut out);
-        }
-        at = pass_start + y;
-    }
-    out
-}
-
-/// Appends samples `lo..hi` of the concatenation of `order` to `out`, as pieces.
-fn extract(order: &[Piece], lo: u128, hi: u128, out: &mut Vec<Piece>) {
-    let mut piece_start = 0u128;
-    for p in order {
-        let piece_end = piece_start + len(p) as u128;
-        let (x, y) = (lo.max(piece_start), hi.min(piece_end));
-        if x < y {
-            out.push(Piece {
-                shard: p.shard,
-                start: p.start + (x - piece_start) as u64,
-                end: Some(p.start + (y - piece_start) as u64),
-            });
-        }
-        if piece_end >= hi {
-            break;
-        }
-        piece_start = piece_end;
-    }
 }
 
 /// Checks the request against the topology; returns the rank's index among this host's ranks.

@@ -6,6 +6,7 @@
 //! for: [`crate::serve::stream`] reads its lanes' runs; the server reports its START.
 
 use crate::config::Config;
+use crate::plan::passes::{Hop, Passes};
 use crate::plan::{PlanError, StreamPlan, StreamRequest};
 
 mod dataset;
@@ -100,18 +101,30 @@ pub struct MixSegment {
 /// with `resume_from` the rest of it after a checkpoint at another topology (runs of the old
 /// streams; for a mix, each source's), and with `with_next` the shards of the same stream's
 /// next epoch, for the prefetcher. O(shards of the host's share): the server runs it off the
-/// runtime threads. The fuzz target `request` calls it too.
+/// runtime threads. The fuzz target `request` calls it too. `history`: the topologies the
+/// job had before this one ([`crate::plan::passes`]; empty: it never resized).
 pub fn plan(
     config: &Config,
     dataset: &str,
     req: StreamRequest,
     resume_from: Option<&crate::plan::elastic::Origin>,
+    history: &[Hop],
     with_next: bool,
 ) -> Result<Plan, PlanError> {
-    match config.mixes.get(dataset) {
-        Some(mix) => plan_mix(config, mix, req, resume_from, with_next),
-        None => plan_dataset(config, dataset, req, resume_from, with_next),
+    crate::plan::passes::check(history, req.epoch)?;
+    let mut plan = match config.mixes.get(dataset) {
+        Some(mix) => plan_mix(config, mix, req, resume_from, history, with_next),
+        None => plan_dataset(config, dataset, req, resume_from, history, with_next),
+    }?;
+    if !history.is_empty() {
+        // The history places every epoch after a resize: it is part of the plan.
+        use md5::Digest;
+        let mut h = md5::Md5::new();
+        h.update(plan.fingerprint.as_bytes());
+        h.update(serde_json::to_vec(history).expect("a history serialises"));
+        plan.fingerprint = hex::encode(&h.finalize()[..8]);
     }
+    Ok(plan)
 }
 
 fn streams_per_host(host: crate::plan::Topology, req: &StreamRequest) -> u128 {
@@ -131,8 +144,13 @@ fn source_plan(
     host: crate::plan::Topology,
     req: &StreamRequest,
     source: Option<(crate::plan::elastic::SourceOf, &crate::config::MixDataset)>,
+    history: &[Hop],
 ) -> Result<crate::plan::StreamPlan, PlanError> {
     let mut shape = d.shape();
+    shape.passes = Passes {
+        hops: history,
+        mix: source.map(|(s, m)| (m, s.index as usize)),
+    };
     if let Some((s, m)) = source {
         shape.samples_per_epoch = Some(s.quota);
         shape.epoch_base = m.epoch_base(

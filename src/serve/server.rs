@@ -286,6 +286,7 @@ async fn plan_request(daemon: &Arc<Daemon>, req: &Request) -> Result<Planned, Re
         &req.dataset,
         stream_req,
         req.resume_from.clone(),
+        req.history.clone(),
         req.op == "stream",
     )
     .await
@@ -544,14 +545,16 @@ async fn plan_off_runtime(
     dataset: &str,
     req: StreamRequest,
     resume_from: Option<crate::plan::elastic::Origin>,
+    history: Vec<crate::plan::passes::Hop>,
     with_next: bool,
 ) -> Result<crate::plan::request::Plan, plan::PlanError> {
-    // An elastic resume costs up to elastic::MAX_STREAMS of work: two are planned at a time,
-    // so that many at once (a job's every stream resuming, or a hostile client) cannot add up.
+    // An elastic resume costs up to elastic::MAX_STREAMS of work, and a history one pass order
+    // per old host and hop: two are planned at a time, so that many at once (a job's every
+    // stream resuming, or a hostile client) cannot add up.
     static ELASTIC_PLANS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
-    let _elastic = match resume_from {
-        Some(_) => Some(ELASTIC_PLANS.acquire().await.expect("never closed")),
-        None => None,
+    let _elastic = match resume_from.is_some() || !history.is_empty() {
+        true => Some(ELASTIC_PLANS.acquire().await.expect("never closed")),
+        false => None,
     };
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
@@ -561,6 +564,7 @@ async fn plan_off_runtime(
             &dataset,
             req,
             resume_from.as_ref(),
+            &history,
             with_next,
         )
     };
@@ -642,6 +646,12 @@ async fn handshake(
         return Err(refuse(
             "bad_request",
             format!("zero_copy needs protocol 5; the client said it speaks {version}"),
+        ));
+    }
+    if !req.history.is_empty() && version < 7 {
+        return Err(refuse(
+            "bad_request",
+            format!("history needs protocol 7; the client said it speaks {version}"),
         ));
     }
     if req.op != "stream" && req.op != "plan" {

@@ -472,8 +472,8 @@ def raw_exchange(path, data, timeout=30):
 
 
 def error_frame(reply):
-    """The daemon's preamble (protocol 6) then one ERROR frame and nothing after it: its JSON."""
-    assert reply[:8] == b"SHARDD\x06\x00", reply[:16]
+    """The daemon's preamble (protocol 7) then one ERROR frame and nothing after it: its JSON."""
+    assert reply[:8] == b"SHARDD\x07\x00", reply[:16]
     length, kind = struct.unpack_from("<IB", reply, 8)
     assert kind == 5, f"kind {kind}"
     assert len(reply) == 13 + length, "nothing after the ERROR frame"

@@ -151,7 +151,7 @@ def test_gzip_bomb_is_refused(make_daemon, tmp_path):
     "data, code, message",
     [
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad_handshake", "not a shardd client"),
-        (b"SHARDD\x07\x00", "unsupported_version", "client speaks protocol 7; this daemon speaks 1 to 6"),
+        (b"SHARDD\x08\x00", "unsupported_version", "client speaks protocol 8; this daemon speaks 1 to 7"),
         (b"SHARDD\x01\x00" + struct.pack("<IB", 1 << 30, 1), "bad_request", "over the limit of 65536"),
         (b"SHARDD\x01\x00" + struct.pack("<IB", 5, 1) + b"hello", "bad_request", "invalid request"),
         (b"SHARDD\x01\x00" + struct.pack("<IB", 2, 3) + b"{}", "bad_request", "expected a REQUEST frame"),

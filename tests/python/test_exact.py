@@ -171,7 +171,7 @@ def plan_exchange(d, **fields):
     body = json.dumps({"op": "plan", "dataset": "exact", "epoch": 0, "rank": 0, "world_size": 1,
                        **fields}).encode()
     reply = raw_exchange(d.socket, b"SHARDD\x03\x00" + struct.pack("<IB", len(body), 1) + body)
-    assert reply[:8] == b"SHARDD\x06\x00"  # the daemon says its own version
+    assert reply[:8] == b"SHARDD\x07\x00"  # the daemon says its own version
     frames, at = [], 8
     while at < len(reply):
         length, kind = struct.unpack_from("<IB", reply, at)

@@ -135,9 +135,16 @@ def test_daemon_names_a_client_too_old_or_too_new(daemon):
     err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x05\x00" + struct.pack("<IB", len(get), 1) + get))
     assert err == {"code": "bad_request",
                    "message": 'op "get" needs protocol 6; the client said it speaks 5'}
-    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x07\x00" + frame))
+    resized = json.dumps({"op": "plan", "dataset": "train", "epoch": 1, "rank": 0, "world_size": 1,
+                          "history": [{"hosts": 1, "world_size": 2, "num_workers": 1,
+                                       "last_epoch": 0}]}).encode()
+    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x06\x00" + struct.pack(
+        "<IB", len(resized), 1) + resized))
+    assert err == {"code": "bad_request",
+                   "message": "history needs protocol 7; the client said it speaks 6"}
+    err = error_frame(raw_exchange(daemon.socket, b"SHARDD\x08\x00" + frame))
     assert err == {"code": "unsupported_version", "message":
-                   f"client speaks protocol 7; this daemon speaks 1 to 6 (shardd "
+                   f"client speaks protocol 8; this daemon speaks 1 to 7 (shardd "
                    f"{crate_version()}): upgrade the daemon"}
     # The same plan request at protocol 3 is served.
     with shardd.Client(daemon.socket) as c:

@@ -214,7 +214,7 @@ def test_a_hostile_release_closes_only_its_connection(daemon):
     # A RELEASE of a map it never got: its connection is closed.
     with raw_zero_copy_stream(daemon, struct.pack("<IBI", 4, 9, 12345)) as s:
         other.start()
-        assert s.recv(8, socket.MSG_WAITALL) == b"SHARDD\x06\x00"  # the daemon's version
+        assert s.recv(8, socket.MSG_WAITALL) == b"SHARDD\x07\x00"  # the daemon's version
         read_until_closed(s)
         other.join(60)
         assert ok == [SHARDS * PER_SHARD]

@@ -13,6 +13,7 @@ from .client import (
     StreamTimeoutError,
     UnavailableError,
     VersionError,
+    next_history,
 )
 from ._seeds import sample_seed
 
@@ -30,6 +31,7 @@ __all__ = [
     "ForkedStreamError",
     "VersionError",
     "sample_seed",
+    "next_history",
 ]
 # The one version: the crate's (Cargo.toml). tests/python/test_wheel.py checks that this, the
 # wheel's metadata, `shardd --version` and clients/python/pyproject.toml agree.

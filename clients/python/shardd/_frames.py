@@ -17,7 +17,7 @@ import struct
 from ._errors import ConnectionLostError, DaemonError, ProtocolError
 
 MAGIC = b"SHARDD"
-VERSION = 5
+VERSION = 7
 PREAMBLE = MAGIC + struct.pack("<H", VERSION)
 # The protocol version each feature a request can use first appeared in. A request is sent
 # with the highest version among the features it uses (a daemon serves every version up to
@@ -28,6 +28,7 @@ FEATURES = {
     "plan": (3, 'op "plan" (a stream\'s length and plan fingerprint without opening it)'),
     "resume_from": (4, "the request field resume_from (an elastic resume)"),
     "zero_copy": (5, "zero-copy delivery (shard files passed as descriptors and mapped)"),
+    "history": (7, "the request field history (passes that go on across resizes)"),
 }
 
 KIND_REQUEST = 1
@@ -68,6 +69,8 @@ def needs(request):
         version, feature = FEATURES["resume_from"]
     if request.get("zero_copy"):
         version, feature = FEATURES["zero_copy"]
+    if request.get("history"):
+        version, feature = FEATURES["history"]
     return version, feature
 
 

@@ -129,7 +129,7 @@ class Client:
         self._pid = os.getpid()
 
     def stream(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1, start=0,
-               resume_from=None):
+               resume_from=None, history=None):
         """Opens the stream of one (rank, worker) for one epoch and returns it as an iterator
         of sample dicts. Raises ``DaemonError`` at once if the daemon refuses the request.
 
@@ -144,11 +144,20 @@ class Client:
         index; in a synchronous job every rank's are the same), plus ``"from"``, the old
         streams' own ``resume_from`` when the checkpoint was taken during an elastic epoch.
         The new streams read what the old ones had not, exactly once, as many samples on every
-        rank; ``start`` then counts samples of the new stream."""
+        rank; ``start`` then counts samples of the new stream.
+
+        ``history`` (protocol 7) lists the topologies the job had before this one, oldest
+        first: ``[{"hosts", "world_size", "num_workers", "last_epoch"}, ...]``, ``last_epoch``
+        being the last epoch counted at that topology (the one its elastic resume finished).
+        With it, a dataset with ``samples_per_epoch`` (and a mix's sources) goes on with the
+        pass that was in progress at each resize, sample for sample; ``next_history`` makes
+        the entry. Send the same history with every epoch after the resize."""
         request = _request("stream", dataset, epoch, rank, world_size, seed, worker, num_workers)
         request["start"] = int(start)
         if resume_from is not None:
             request["resume_from"] = _origin(resume_from)
+        if history:
+            request["history"] = _history(history)
         if self.zero_copy:
             request["zero_copy"] = True
         s = self._claim(request)
@@ -215,7 +224,7 @@ class Client:
         s.close()
 
     def plan(self, dataset, *, epoch, rank, world_size, seed=0, worker=0, num_workers=1,
-             resume_from=None):
+             resume_from=None, history=None):
         """The START of the stream ``stream()`` would open with the same arguments, without
         opening it: the daemon registers no schedule and loads nothing (protocol 3, op
         ``plan``). Returns START's fields as a dict: ``dataset``, ``shards``, ``samples``
@@ -224,6 +233,8 @@ class Client:
         request = _request("plan", dataset, epoch, rank, world_size, seed, worker, num_workers)
         if resume_from is not None:
             request["resume_from"] = _origin(resume_from)
+        if history:
+            request["history"] = _history(history)
         with Stream(self.socket_path, request, self.timeout, None, self.reconnect_timeout) as s:
             for _ in s:
                 raise ProtocolError(f"the daemon at {self.socket_path} sent samples for a plan "
@@ -262,6 +273,24 @@ def _origin(o):
     if o.get("from") is not None:
         out["from"] = _origin(o["from"])
     return out
+
+
+def _history(hops):
+    """A ``history`` list as the protocol spells it (PROTOCOL.md, "Passes across a resize")."""
+    return [{"hosts": int(h["hosts"]), "world_size": int(h["world_size"]),
+             "num_workers": int(h["num_workers"]), "last_epoch": int(h["last_epoch"])} for h in hops]
+
+
+def next_history(history, resume_from, epoch):
+    """The ``history`` of the epochs after an elastic resume of ``epoch``: ``history`` (the one
+    sent with that resume, or None) and the topology that planned the resumed epoch (the
+    oldest of ``resume_from``'s chain), whose last epoch it was."""
+    base = resume_from
+    while base.get("from") is not None:
+        base = base["from"]
+    return _history(list(history or []) + [dict(
+        hosts=base["hosts"], world_size=base["world_size"], num_workers=base["num_workers"],
+        last_epoch=epoch)])
 
 
 def _request(op, dataset, epoch, rank, world_size, seed, worker, num_workers):

@@ -48,6 +48,7 @@ from .client import (
     PlanMismatch,
     ProtocolError,
     UnavailableError,
+    next_history,
     register_fork_hook,
 )
 
@@ -197,7 +198,8 @@ class _ShardIterator:
             stream = _ask(
                 self._client, "stream", f["dataset"], epoch=f["epoch"], rank=f["rank"],
                 world_size=f["world_size"], seed=f["seed"], worker=f["worker"],
-                num_workers=f["num_workers"], start=c.start, resume_from=f.get("resume_from"))
+                num_workers=f["num_workers"], start=c.start, resume_from=f.get("resume_from"),
+                history=f.get("history"))
         except DaemonError as e:
             self._past_end(e)
             raise
@@ -310,6 +312,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
                                                                          self.seed)
         if self._elastic is not None:
             self._epoch[0] = self._elastic[0]
+        # The topologies before this one (the daemon's ``history``), from each epoch on.
+        self._histories = [] if resume_from is None else _histories(resume_from, self._elastic)
         self._cursor = None  # the cursor of this process's latest iterator
 
     # -- topology and epochs ---------------------------------------------------------------
@@ -386,7 +390,14 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def _plan(self, worker, num_workers):
         return _ask(self._client(), "plan", self.dataset, epoch=self.epoch, rank=self.rank,
                     world_size=self.world_size, seed=self.seed, worker=worker,
-                    num_workers=max(1, int(num_workers)), resume_from=self._origin(self.epoch))
+                    num_workers=max(1, int(num_workers)), resume_from=self._origin(self.epoch),
+                    history=self._history(self.epoch))
+
+    def _history(self, epoch):
+        """The daemon's ``history`` for ``epoch``: the topologies the job had before this one
+        (set after an elastic resume, so that passes go on across it)."""
+        found = [h for e, h in self._histories if e <= epoch]
+        return found[-1] if found else None
 
     def _origin(self, epoch):
         """The daemon's ``resume_from`` for ``epoch``: set only in the epoch of an elastic
@@ -478,6 +489,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         origin = self._origin(self.epoch)
         if origin is not None:
             fields["resume_from"] = origin
+        if self._history(self.epoch):
+            fields["history"] = self._history(self.epoch)
         start, fingerprint, past_end_is_empty = 0, None, False
         resume, self._resume = self._resume, None
         if resume is not None:
@@ -524,6 +537,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         if resume.get("resume_from") is not None:
             # A state of an elastic epoch: its streams are that resume's.
             fields["resume_from"] = resume["resume_from"]
+        if resume.get("history"):
+            fields["history"] = resume["history"]
         if resume.get("ended"):
             return None, resume.get("fingerprint"), False
         return int(resume["position"]), resume.get("fingerprint"), False
@@ -548,6 +563,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         origin = self._origin(self.epoch)
         if origin is not None:
             state["resume_from"] = origin
+        if self._history(self.epoch):
+            state["history"] = self._history(self.epoch)
         return state
 
     def load_state_dict(self, state):
@@ -558,6 +575,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
         if not isinstance(state, dict) or state.get("shardd") != STATE_VERSION:
             raise ValueError(f"not a shardd.torch state (version {STATE_VERSION}): {state!r}")
         self._resume = dict(state)
+        if state.get("history"):
+            # The job was resized before: every later epoch carries it too.
+            self._histories = [(0, list(state["history"]))]
 
     def skip(self, batches, batch_size):
         """Plain-DataLoader resume: the next iteration of the current epoch starts after its
@@ -647,6 +667,26 @@ def elastic_origin(state, dataset=None, seed=None):
     if first.get("resume_from") is not None:
         origin["from"] = first["resume_from"]
     return first["epoch"], origin
+
+
+def _histories(state, elastic):
+    """``[(from epoch, history)]`` for a job resumed elastically from ``state`` (``elastic``:
+    its ``elastic_origin``): the old job's own history in the resumed epoch, and from the next
+    epoch on that and the topology that planned the resumed epoch, whose last epoch it was.
+    When nothing was read of the epoch, the job moved at its start: the old topology's last
+    epoch is the one before."""
+    states = [s for s in _stream_states(state) if s.get("kind") != "batches"]
+    prior = list(states[0].get("history") or []) if states else []
+    epoch, origin = elastic
+    if origin is not None:
+        return [(epoch, prior), (epoch + 1, next_history(prior, origin, epoch))]
+    hosts = {s.get("hosts") for s in states} - {None}
+    if epoch > 0 and len(hosts) == 1:
+        old = states[0]
+        hop = dict(hosts=hosts.pop(), world_size=old["world_size"], num_workers=old["num_workers"],
+                   positions=[])
+        return [(epoch, next_history(prior, hop, epoch - 1))]
+    return [(epoch, prior)]
 
 
 def resume_epoch(loader_state):

@@ -151,7 +151,7 @@ fn streams(
                 num_workers: workers,
             };
             let plan =
-                plan::request::plan(&config, name, req, resume, false).with_context(|| {
+                plan::request::plan(&config, name, req, resume, &[], false).with_context(|| {
                     format!("{what}: host {h}, rank {}, worker {}", req.rank, req.worker)
                 })?;
             out.push(plan);

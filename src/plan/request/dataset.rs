@@ -8,10 +8,17 @@ pub(super) fn plan_dataset(
     name: &str,
     req: StreamRequest,
     resume_from: Option<&crate::plan::elastic::Origin>,
+    history: &[Hop],
     with_next: bool,
 ) -> Result<Plan, PlanError> {
     let d = &config.datasets[name];
-    let shape = d.shape();
+    let shape = crate::plan::Shape {
+        passes: Passes {
+            hops: history,
+            mix: None,
+        },
+        ..d.shape()
+    };
     let (runs, samples, dropped, remainder) = match resume_from {
         None => {
             let plan = crate::plan::plan_stream(shape, config.host, &req)?;
@@ -25,7 +32,7 @@ pub(super) fn plan_dataset(
                 .iter()
                 .map(|s| {
                     Ok(Run {
-                        plan: source_plan(d, s.host, &s.req, None)?,
+                        plan: source_plan(d, s.host, &s.req, None, history)?,
                         from: s.from,
                         to: Some(s.to),
                     })

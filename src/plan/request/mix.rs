@@ -11,6 +11,7 @@ pub(super) fn plan_mix(
     m: &crate::config::MixDataset,
     req: StreamRequest,
     resume_from: Option<&crate::plan::elastic::Origin>,
+    history: &[Hop],
     with_next: bool,
 ) -> Result<Plan, PlanError> {
     let mix = m.epoch_mix(req.epoch, job_streams(&req));
@@ -63,10 +64,10 @@ pub(super) fn plan_mix(
         dropped,
         remainder,
     } = match resume_from {
-        None => whole_lanes(config, m, &datasets, &req, &mix)?,
+        None => whole_lanes(config, m, &datasets, &req, &mix, history)?,
         Some(origin) => {
             h.update(serde_json::to_vec(origin).expect("an origin serialises"));
-            resumed_lanes(config, m, &datasets, &req, origin)?
+            resumed_lanes(config, m, &datasets, &req, origin, history)?
         }
     };
     // The lanes an interleave ranges over, in its order; one lane when only one source is
@@ -92,6 +93,10 @@ pub(super) fn plan_mix(
             let shape = crate::plan::Shape {
                 samples_per_epoch: Some(next_quotas[i]),
                 epoch_base: next_bases.as_ref().map(|b| b[i]),
+                passes: Passes {
+                    hops: history,
+                    mix: Some((m, i)),
+                },
                 ..d.shape()
             };
             planned.push(Lane {
@@ -135,6 +140,7 @@ fn whole_lanes(
     datasets: &[&crate::config::Dataset],
     req: &StreamRequest,
     mix: &crate::plan::mix::EpochMix,
+    history: &[Hop],
 ) -> Result<MixLanes, PlanError> {
     let lanes = (0..datasets.len())
         .map(|i| {
@@ -142,7 +148,7 @@ fn whole_lanes(
                 index: i as u32,
                 quota: mix.quotas()[i],
             };
-            let plan = source_plan(datasets[i], config.host, req, Some((source, m)))?;
+            let plan = source_plan(datasets[i], config.host, req, Some((source, m)), history)?;
             Ok(vec![Run::whole(plan)])
         })
         .collect::<Result<Vec<_>, PlanError>>()?;
@@ -165,6 +171,7 @@ fn resumed_lanes(
     datasets: &[&crate::config::Dataset],
     req: &StreamRequest,
     origin: &crate::plan::elastic::Origin,
+    history: &[Hop],
 ) -> Result<MixLanes, PlanError> {
     // The request's own topology first: the split divides by its world size.
     let local = crate::plan::validate(config.host, req)?;
@@ -178,7 +185,13 @@ fn resumed_lanes(
                 .iter()
                 .map(|seg| {
                     Ok(Run {
-                        plan: source_plan(d, seg.host, &seg.req, seg.source.map(|s| (s, m)))?,
+                        plan: source_plan(
+                            d,
+                            seg.host,
+                            &seg.req,
+                            seg.source.map(|s| (s, m)),
+                            history,
+                        )?,
                         from: seg.from,
                         to: Some(seg.to),
                     })

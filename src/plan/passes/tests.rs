@@ -1,0 +1,143 @@
+use super::*;
+use crate::plan::shuffle::SplitMix64;
+use crate::plan::{StreamRequest, plan_stream};
+use std::collections::HashMap;
+
+/// Samples of a plan, named (shard, index).
+fn samples(pieces: &[Piece]) -> Vec<(usize, u64)> {
+    pieces
+        .iter()
+        .flat_map(|p| (p.start..p.end.unwrap()).map(move |i| (p.shard, i)))
+        .collect()
+}
+
+/// One epoch of every stream of a job of `hosts` × `ranks` × `workers` with `hops` before it.
+fn epoch(
+    counts: &[u64],
+    e: u64,
+    hops: &[Hop],
+    (hosts, ranks, workers): (u32, u32, u32),
+    seed: u64,
+    epoch: u64,
+) -> Vec<(usize, u64)> {
+    let shape = Shape {
+        counts: Some(counts),
+        samples_per_epoch: Some(e),
+        share_seed: 5,
+        passes: Passes { hops, mix: None },
+        ..Shape::shards(counts.len())
+    };
+    let mut out = Vec::new();
+    for h in 0..hosts {
+        for r in 0..ranks {
+            for w in 0..workers {
+                let req = StreamRequest {
+                    seed,
+                    epoch,
+                    rank: h * ranks + r,
+                    world_size: hosts * ranks,
+                    worker: w,
+                    num_workers: workers,
+                };
+                let host = Topology {
+                    index: h,
+                    count: hosts,
+                };
+                out.extend(samples(&plan_stream(shape, host, &req).unwrap().pieces));
+            }
+        }
+    }
+    out
+}
+
+/// A job run through a chain of topologies, epoch by epoch, each resize at an epoch
+/// boundary (`resizes`: (topology, epochs at it)). Returns the largest spread of read counts
+/// over the samples at any epoch boundary.
+fn run(
+    counts: &[u64],
+    e: u64,
+    seed: u64,
+    resizes: &[((u32, u32, u32), u64)],
+    with_history: bool,
+) -> u64 {
+    let mut read: HashMap<(usize, u64), u64> = HashMap::new();
+    let all: Vec<(usize, u64)> = (0..counts.len())
+        .flat_map(|s| (0..counts[s]).map(move |i| (s, i)))
+        .collect();
+    let mut hops: Vec<Hop> = Vec::new();
+    let mut worst = 0;
+    let mut at = 0;
+    for &(topo, epochs) in resizes {
+        for ep in at..at + epochs {
+            let history = if with_history { &hops[..] } else { &[][..] };
+            for x in epoch(counts, e, history, topo, seed, ep) {
+                *read.entry(x).or_default() += 1;
+            }
+            let n: Vec<u64> = all
+                .iter()
+                .map(|x| read.get(x).copied().unwrap_or(0))
+                .collect();
+            worst = worst.max(n.iter().max().unwrap() - n.iter().min().unwrap());
+        }
+        at += epochs;
+        let (hosts, ranks, workers) = topo;
+        hops.push(Hop {
+            hosts,
+            world_size: hosts * ranks,
+            num_workers: workers,
+            last_epoch: at - 1,
+        });
+    }
+    worst
+}
+
+#[test]
+fn passes_go_on_across_resizes_at_epoch_boundaries() {
+    // Shares equal on every topology (120 samples, hosts dividing it, streams too) and 7 per
+    // stream: every sample is read once per pass, whatever the chain, so at every epoch
+    // boundary reads differ by at most one. Without the history, some differ by two.
+    let mut rng = SplitMix64::new(31);
+    let mut broken = 0;
+    for case in 0..60 {
+        let mut counts = vec![0u64; 8];
+        for _ in 0..120 {
+            counts[rng.below(8) as usize] += 1;
+        }
+        let topo = |rng: &mut SplitMix64| {
+            let hosts = [1, 2, 3, 4][rng.below(4) as usize];
+            (hosts, 1 + rng.below(2) as u32, 1 + rng.below(2) as u32)
+        };
+        let chain: Vec<((u32, u32, u32), u64)> = (0..2 + rng.below(3))
+            .map(|_| (topo(&mut rng), 1 + rng.below(4)))
+            .collect();
+        let e = 1 + rng.below(9);
+        let seed = rng.next_u64();
+        assert!(
+            run(&counts, e, seed, &chain, true) <= 1,
+            "case {case}: {chain:?} e {e}"
+        );
+        broken += u64::from(run(&counts, e, seed, &chain, false) > 1);
+    }
+    assert!(broken > 0, "the test cannot tell a history from none");
+}
+
+#[test]
+fn a_history_is_checked() {
+    let hop = |hosts, world_size, last_epoch| Hop {
+        hosts,
+        world_size,
+        num_workers: 1,
+        last_epoch,
+    };
+    let err = |hops: &[Hop], epoch| check(hops, epoch).unwrap_err().to_string();
+    assert!(check(&[hop(2, 4, 1), hop(1, 1, 3)], 4).is_ok());
+    assert!(err(&[hop(2, 4, 3)], 3).contains("not before the requested epoch 3"));
+    assert!(
+        err(&[hop(2, 4, 3), hop(2, 4, 3)], 9).contains("hop 1: last_epoch 3 does not come after")
+    );
+    assert!(err(&[hop(3, 4, 0)], 9).contains("world_size 4 is not divisible by its hosts 3"));
+    assert!(err(&[hop(0, 4, 0)], 9).contains("must be at least 1"));
+    assert!(err(&[hop(1 << 19, 1 << 19, 0)], 9).contains("more than 262144"));
+    let long: Vec<Hop> = (0..17).map(|i| hop(1, 1, i)).collect();
+    assert!(err(&long, 99).contains("17 hops, more than 16"));
+}
