@@ -213,6 +213,16 @@ def requests():
     # segments, replayed for each of 10,000 old workers: the epoch's segments were copied per
     # worker (~1.4 GB).
     req("bound-mix-segments", dataset="timed", op="plan", resume_from=origin(4, num_workers=10_000))
+    # Passes across resizes (history): a chain of 16 hops of 16,383 hosts each (just inside
+    # the bound on hosts), an elastic resume under a history, a mix's sources, and past it.
+    def hops(n, hosts, workers=1):
+        return [dict(hosts=hosts, world_size=hosts, num_workers=workers, last_epoch=e) for e in range(n)]
+    req("history", dataset="books", epoch=3, rank=1, world_size=2, history=hops(2, 4, 2))
+    req("history-elastic", dataset="books", epoch=2, rank=0, world_size=1,
+        resume_from=origin(4, 2, hosts=2, position=30), history=hops(2, 3))
+    req("history-mix", dataset="mix", epoch=5, rank=1, world_size=3, history=hops(3, 2))
+    req("bound-history", dataset="books", epoch=16, rank=0, world_size=1, history=hops(16, bound // 16 - 1))
+    req("bound-history-past", dataset="books", epoch=16, rank=0, world_size=1, history=hops(16, bound // 16 + 1))
     # A mix's origin was split before the request was checked: world_size 0 divided by zero.
     req("mix-world-zero", op="plan", dataset="pair", world_size=0, resume_from=origin(1))
 
