@@ -168,9 +168,15 @@ def random_resized_crop_box(rng, width, height, scale=(0.08, 1.0), ratio=(3 / 4,
     return left, top, left + w, top + h
 
 
+# --no-decode: the pipeline only copies each image's bytes (what delivery alone costs).
+DECODE = [True]
+
+
 def transform(jpeg, seed):
     """JPEG bytes (or a memoryview) -> normalised 3x224x224 float tensor; every configuration
-    runs this, in its loader workers."""
+    runs this, in its loader workers (forked: they see DECODE as set before they start)."""
+    if not DECODE[0]:
+        return torch.tensor(len(bytes(jpeg)))
     rng = random.Random(seed)
     img = Image.open(io.BytesIO(jpeg)).convert("RGB")
     box = random_resized_crop_box(rng, *img.size)
@@ -452,9 +458,13 @@ def main():
     ap.add_argument("--data", default=str(ROOT / "bench" / "data"), help="where the images are made (kept)")
     ap.add_argument("--shardd", default=str(ROOT / "target" / "release" / "shardd"), help="the daemon binary")
     ap.add_argument("--only", help="comma-separated configurations to run (A,B,C,D,D-zc,D-pipe)")
+    ap.add_argument("--no-decode", action="store_true",
+                    help="copy each image's bytes instead of decoding it: delivery alone (e.g. "
+                         "--only C,D-pipe --workers 8: eight processes reading pipe: URLs)")
     ap.add_argument("--quick", action="store_true",
                     help="CI: --images 256 --per-shard 64 --min-px 200 --max-px 250 --epochs 1")
     args = ap.parse_args()
+    DECODE[0] = not args.no_decode
     if args.quick:
         args.images, args.per_shard, args.min_px, args.max_px, args.epochs = 256, 64, 200, 250, 1
     only = set(args.only.split(",")) if args.only else {"A", "B", "C", "D", "D-zc", "D-pipe"}

@@ -223,6 +223,13 @@ def requests():
     req("history-mix", dataset="mix", epoch=5, rank=1, world_size=3, history=hops(3, 2))
     req("bound-history", dataset="books", epoch=16, rank=0, world_size=1, history=hops(16, bound // 16 - 1))
     req("bound-history-past", dataset="books", epoch=16, rank=0, world_size=1, history=hops(16, bound // 16 + 1))
+    # An elastic resume of 2^18 - 1 old hosts under a history: each old stream's plan built the
+    # heads of every old host again (found in review; hours). Now once per plan. Without the
+    # history, the same resume planned 50 million pieces (2.5 GB: 300 samples per stream over
+    # host shares of 3): now refused past elastic's piece budget.
+    req("bound-old-hosts-history", dataset="books", epoch=1, resume_from=origin(bound - 1, hosts=bound - 1, position=1),
+        history=hops(1, 1))
+    req("bound-old-hosts-wrapping", dataset="books", epoch=1, resume_from=origin(bound - 1, hosts=bound - 1, position=1))
     # A mix's origin was split before the request was checked: world_size 0 divided by zero.
     req("mix-world-zero", op="plan", dataset="pair", world_size=0, resume_from=origin(1))
 

@@ -179,6 +179,11 @@ pub struct ShareCache {
     pub(crate) order: std::sync::OnceLock<std::sync::Arc<[usize]>>,
     /// `ends[i]`: samples of the first `i + 1` shards in share order.
     pub(crate) ends: std::sync::OnceLock<std::sync::Arc<[u64]>>,
+    /// After a resize, every host's head of its sequence, by what they depend on (seed,
+    /// history, host count, mix source), the last few (`plan/passes.rs`).
+    #[allow(clippy::type_complexity)]
+    pub(crate) heads:
+        std::sync::Mutex<Vec<(Vec<u64>, std::sync::Arc<dyn std::any::Any + Send + Sync>)>>,
 }
 
 impl std::fmt::Debug for ShareCache {

@@ -10,10 +10,12 @@
 //! job left the old topology, dealt to the new hosts as many to each (±1), each first keeping
 //! what lies in its own share (old host by old host, in the old order), the rest filling the
 //! hosts still short. Then come its own passes. So every sample of the interrupted pass is
-//! read once (in the old pass or in a head), every new host ends its head at the same step,
-//! and only then starts the next pass: at every epoch boundary the samples' reads differ by
-//! at most one, as in a job that never resized (with equal host shares). A chain of resizes
-//! repeats the rule, the old hosts' sequences having heads of their own.
+//! read once (in the old pass or in a head), every new host ends its head within a sample of
+//! the others, and only then starts the next pass: at every epoch boundary the samples' reads
+//! differ by at most one, as in a job that never resized (with equal host shares). A chain of
+//! resizes repeats the rule, the old hosts' sequences having heads of their own; an old host
+//! that stands exactly at the end of a pass while another is past it passes on its whole next
+//! pass (`unit_rest`).
 //!
 //! The request carries the topologies before its own, `history` (a [`Hop`] each: hosts,
 //! world size, workers, and the last epoch counted in that topology's sequences, normally the
@@ -65,6 +67,24 @@ impl Passes<'_> {
     pub fn first_epoch(&self) -> u64 {
         self.hops.last().map_or(0, |h| h.last_epoch + 1)
     }
+}
+
+/// The history of the epochs after an elastic resume of `epoch` from `origin` under
+/// `history`: the topology that planned that epoch (the oldest of the origin chain) joins it,
+/// with `epoch` its last (the Python client's `next_history`).
+pub fn after(history: &[Hop], origin: &crate::plan::elastic::Origin, epoch: u64) -> Vec<Hop> {
+    let mut base = origin;
+    while let Some(earlier) = &base.from {
+        base = earlier;
+    }
+    let mut out = history.to_vec();
+    out.push(Hop {
+        hosts: base.hosts,
+        world_size: base.world_size,
+        num_workers: base.num_workers,
+        last_epoch: epoch,
+    });
+    out
 }
 
 /// Checks a request's history: each hop a topology (hosts divide the world size, workers
@@ -256,21 +276,30 @@ impl Sequence {
         out.into_iter().map(|s| s.piece).collect()
     }
 
-    /// What is left, at position `at`, of the pass (or head) the host is in: nothing at the
-    /// boundary between two. `None` when the pass index passes a u64.
-    fn unit_rest(&self, at: u128) -> Option<Vec<Span>> {
+    /// How far into its own passes the host is at `at` (None: still in its head).
+    fn past_head(&self, at: u128) -> Option<u128> {
+        at.checked_sub(self.head_len)
+    }
+
+    /// What is left, at position `at`, of the pass (or head) the host is in. At the boundary
+    /// between two: nothing, unless another host of its topology is already into the next
+    /// pass (`lead`, the furthest into its passes any is: heads differ by one), whose samples
+    /// would then be read once more than this host's; then the whole next pass. `None` when
+    /// the pass index passes a u64.
+    fn unit_rest(&self, at: u128, lead: u128) -> Option<Vec<Span>> {
         let mut out = Vec::new();
-        if at < self.head_len {
+        let Some(off) = self.past_head(at) else {
             extract(&self.head, at, self.head_len, &mut out);
             return Some(out);
-        }
+        };
         if self.here == 0 {
             return Some(out);
         }
-        let off = at - self.head_len;
         let (p, x) = (u64::try_from(off / self.here).ok()?, off % self.here);
         if x > 0 {
             self.pass_range(p, x, self.here, &mut out);
+        } else if off < lead {
+            self.pass_range(p, 0, self.here, &mut out);
         }
         Some(out)
     }
@@ -341,9 +370,14 @@ fn deal(rests: Vec<Vec<Span>>, hosts: u32, total: u128) -> Vec<Vec<Span>> {
     heads
 }
 
+/// Heads kept per dataset: a daemon's streams of one job share one (per mix source).
+const HEADS_KEPT: usize = 4;
+
 /// The sequence of `host` (a host of the current topology) given the job's history: its
 /// share, and its head dealt from what the hosts before it left of their pass (module docs).
-/// `spans_of` gives a host's share at a host count; `total` is the dataset's samples.
+/// `spans_of` gives a host's share at a host count; `total` is the dataset's samples. The
+/// heads of every host of the topology are computed together, once per dataset and key
+/// (every stream of a job, and every old stream of an elastic resume, shares them).
 pub(crate) fn sequence(
     shape: &Shape,
     seed: u64,
@@ -351,6 +385,56 @@ pub(crate) fn sequence(
     total: u128,
     spans_of: &dyn Fn(Topology) -> Vec<Span>,
 ) -> Result<Sequence, PlanError> {
+    let heads = match shape.share {
+        None => std::sync::Arc::new(all_heads(shape, seed, host.count, total, spans_of)?),
+        Some(cache) => {
+            let mut key = vec![seed, host.count as u64];
+            for h in shape.passes.hops {
+                key.extend([
+                    h.hosts as u64,
+                    h.world_size as u64,
+                    h.num_workers as u64,
+                    h.last_epoch,
+                ]);
+            }
+            if let Some((m, i)) = shape.passes.mix {
+                key.push(i as u64);
+                key.extend(m.name.bytes().map(u64::from));
+            }
+            let found = cache
+                .heads
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(k, _)| *k == key)
+                .cloned();
+            match found.and_then(|(_, v)| v.downcast::<Vec<Vec<Span>>>().ok()) {
+                Some(heads) => heads,
+                None => {
+                    let heads =
+                        std::sync::Arc::new(all_heads(shape, seed, host.count, total, spans_of)?);
+                    let mut kept = cache.heads.lock().unwrap();
+                    if kept.len() == HEADS_KEPT {
+                        kept.remove(0);
+                    }
+                    kept.push((key, heads.clone()));
+                    heads
+                }
+            }
+        }
+    };
+    let head = heads[host.index as usize].clone();
+    Ok(Sequence::new(spans_of(host), head, seed, host))
+}
+
+/// The heads of every host of a topology of `count` hosts (module docs).
+fn all_heads(
+    shape: &Shape,
+    seed: u64,
+    count: u32,
+    total: u128,
+    spans_of: &dyn Fn(Topology) -> Vec<Span>,
+) -> Result<Vec<Vec<Span>>, PlanError> {
     let too_large = || PlanError::EpochTooLarge {
         epoch: shape.passes.first_epoch(),
     };
@@ -371,22 +455,25 @@ pub(crate) fn sequence(
             hop.last_epoch + 1,
         )
         .ok_or_else(too_large)?;
-        rests = heads
-            .into_iter()
-            .enumerate()
+        let level: Vec<Sequence> = (heads.into_iter().enumerate())
             .map(|(g, head)| {
                 let t = Topology {
                     index: g as u32,
                     count: hop.hosts,
                 };
-                Sequence::new(spans_of(t), head, seed, t).unit_rest(at)
+                Sequence::new(spans_of(t), head, seed, t)
             })
+            .collect();
+        let lead = (level.iter())
+            .filter_map(|s| s.past_head(at))
+            .max()
+            .unwrap_or(0);
+        rests = (level.iter())
+            .map(|s| s.unit_rest(at, lead))
             .collect::<Option<_>>()
             .ok_or_else(too_large)?;
     }
-    let mut heads = deal(rests, host.count, total);
-    let head = std::mem::take(&mut heads[host.index as usize]);
-    Ok(Sequence::new(spans_of(host), head, seed, host))
+    Ok(deal(rests, count, total))
 }
 
 #[cfg(test)]

@@ -40,6 +40,30 @@ impl Run {
     }
 }
 
+/// The most pieces the base streams of one elastic resume may hold together: a request
+/// chooses how many old streams one new stream resumes (up to `elastic::MAX_STREAMS`), and
+/// an old stream of `samples_per_epoch` samples over a tiny host share holds a piece or two
+/// per pass: 2^18 old hosts of 3 samples each, 300 per stream, were 50 million pieces (2.5 GB).
+/// 2^22 pieces are ~100 MB.
+pub const MAX_RESUMED_PIECES: usize = 1 << 22;
+
+/// Counts the pieces of an elastic resume's runs as they are planned; refuses past
+/// [`MAX_RESUMED_PIECES`].
+#[derive(Default)]
+pub(crate) struct PieceBudget(usize);
+
+impl PieceBudget {
+    pub(crate) fn take(&mut self, plan: StreamPlan) -> Result<StreamPlan, PlanError> {
+        self.0 += plan.pieces.len();
+        if self.0 > MAX_RESUMED_PIECES {
+            return Err(PlanError::BadOrigin(format!(
+                "the old streams this resume reads hold more than {MAX_RESUMED_PIECES} pieces (many small host shares, read pass after pass): resume with fewer old streams per new one"
+            )));
+        }
+        Ok(plan)
+    }
+}
+
 /// Which lane each position of a mixed stream takes its sample from.
 pub struct Interleave {
     pub mix: crate::plan::mix::EpochMix,

@@ -222,3 +222,40 @@ def test_each_source_of_a_mix_goes_on_with_its_pass_across_a_resize(make_daemon,
     assert max(with_history) <= 1, repr(with_history)
     without = job(False)
     assert max(without) >= 2, f"the job does not tell a history from none: {without}"
+
+
+def test_a_restart_inside_the_elastic_epoch_keeps_the_history(make_daemon, data):
+    """A checkpoint taken during the elastic epoch, loaded into a fresh dataset after a
+    restart: the rest of that epoch is the resume's, and the epochs after it carry the hop."""
+    import shardd.torch as st
+
+    body, _ = data
+    old, new = daemons(make_daemon, body, 2, "rold"), daemons(make_daemon, body, 1, "rnew")
+
+    def dataset(d, rank, **kw):
+        return st.ShardDataset("p", socket=d.socket, rank=rank, world_size=2, seed=4,
+                               check_plan=False, prefetch_next_epoch=False, **kw)
+
+    first = dataset(old[0], 0, epoch=1)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    del it
+    resumed = dataset(new[0], 0, resume_from=state)
+    it = iter(resumed)
+    next(it)
+    mid = resumed.state_dict()
+    del it
+    assert mid["resume_from"]["hosts"] == 2 and "history" not in mid
+    hop = [{"hosts": 2, "world_size": 2, "num_workers": 1, "last_epoch": 1}]
+    fresh = dataset(new[0], 0, epoch=1)
+    fresh.load_state_dict(mid)
+    rest = [s["__key__"] for s in fresh]
+    assert len(rest) == len([s for s in dataset(new[0], 0, resume_from=state)]) - 1
+    fresh.set_epoch(2)
+    with shardd.Client(new[0].socket) as c:
+        want = [s["__key__"] for s in c.stream("p", epoch=2, rank=0, world_size=2, seed=4, history=hop)]
+        plain = [s["__key__"] for s in c.stream("p", epoch=2, rank=0, world_size=2, seed=4)]
+    assert want != plain
+    assert [s["__key__"] for s in fresh] == want
+    assert fresh.state_dict()["history"] == hop

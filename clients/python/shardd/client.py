@@ -202,7 +202,10 @@ class Client:
         """In a stream's thread, once it received END: opens the next epoch of ``request``
         and keeps it for ``stream()``. Failures are dropped: the caller opens it as usual."""
         nxt = dict(request, epoch=request["epoch"] + 1, start=0)
-        nxt.pop("resume_from", None)  # an elastic resume covers its own epoch only
+        origin = nxt.pop("resume_from", None)  # an elastic resume covers its own epoch only
+        if origin is not None:
+            # The epochs after it carry the topology it resized (what shardd.torch sends).
+            nxt["history"] = next_history(request.get("history"), origin, request["epoch"])
         key = _slot(nxt)
         self._forked()
         with self._spec_lock:

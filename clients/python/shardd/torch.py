@@ -575,9 +575,15 @@ class ShardDataset(torch.utils.data.IterableDataset):
         if not isinstance(state, dict) or state.get("shardd") != STATE_VERSION:
             raise ValueError(f"not a shardd.torch state (version {STATE_VERSION}): {state!r}")
         self._resume = dict(state)
-        if state.get("history"):
+        prior = list(state.get("history") or [])
+        if state.get("resume_from") is not None:
+            # A state of an elastic epoch: the epochs after it carry the topology it resized.
+            epoch = int(state["epoch"])
+            self._histories = [(epoch, prior),
+                               (epoch + 1, next_history(prior, state["resume_from"], epoch))]
+        elif prior:
             # The job was resized before: every later epoch carries it too.
-            self._histories = [(0, list(state["history"]))]
+            self._histories = [(0, prior)]
 
     def skip(self, batches, batch_size):
         """Plain-DataLoader resume: the next iteration of the current epoch starts after its
@@ -673,19 +679,13 @@ def _histories(state, elastic):
     """``[(from epoch, history)]`` for a job resumed elastically from ``state`` (``elastic``:
     its ``elastic_origin``): the old job's own history in the resumed epoch, and from the next
     epoch on that and the topology that planned the resumed epoch, whose last epoch it was.
-    When nothing was read of the epoch, the job moved at its start: the old topology's last
-    epoch is the one before."""
+    A state that had read nothing of its epoch (its stream never opened) does not say how many
+    hosts served it: the epoch is then read whole at the new topology, with the old history."""
     states = [s for s in _stream_states(state) if s.get("kind") != "batches"]
     prior = list(states[0].get("history") or []) if states else []
     epoch, origin = elastic
     if origin is not None:
         return [(epoch, prior), (epoch + 1, next_history(prior, origin, epoch))]
-    hosts = {s.get("hosts") for s in states} - {None}
-    if epoch > 0 and len(hosts) == 1:
-        old = states[0]
-        hop = dict(hosts=hosts.pop(), world_size=old["world_size"], num_workers=old["num_workers"],
-                   positions=[])
-        return [(epoch, next_history(prior, hop, epoch - 1))]
     return [(epoch, prior)]
 
 

@@ -141,3 +141,31 @@ fn a_history_is_checked() {
     let long: Vec<Hop> = (0..17).map(|i| hop(1, 1, i)).collect();
     assert!(err(&long, 99).contains("17 hops, more than 16"));
 }
+
+#[test]
+fn passes_go_on_when_a_host_stands_at_a_pass_boundary_and_another_is_past_it() {
+    // Heads differ by one sample, so one host of a topology may stand exactly at the end of
+    // its head (or a pass) while another has read the first sample of its next pass: the
+    // first host's next pass is then part of what the next topology must finish. Found in
+    // review: 6 samples, one per epoch; 1 host for epochs 0-2, 2 hosts for 3-4, then 1.
+    let counts = [2, 2, 2];
+    let chain = [((1, 1, 1), 3), ((2, 1, 1), 2), ((1, 1, 1), 5)];
+    assert!(run(&counts, 1, 0, &chain, true) <= 1);
+    // And small datasets where such boundaries are common: 12 samples, hosts dividing them.
+    let mut rng = SplitMix64::new(32);
+    for case in 0..400 {
+        let counts = [3u64, 3, 3, 3];
+        let chain: Vec<((u32, u32, u32), u64)> = (0..2 + rng.below(4))
+            .map(|_| {
+                let hosts = [1, 2, 3, 4, 6][rng.below(5) as usize];
+                ((hosts, 1, 1 + rng.below(2) as u32), 1 + rng.below(4))
+            })
+            .collect();
+        let e = 1 + rng.below(3);
+        let seed = rng.next_u64();
+        assert!(
+            run(&counts, e, seed, &chain, true) <= 1,
+            "case {case}: {chain:?} e {e} seed {seed}"
+        );
+    }
+}

@@ -27,12 +27,13 @@ pub(super) fn plan_dataset(
         }
         Some(origin) => {
             let e = crate::plan::elastic::plan(shape, config.host, &req, origin)?;
+            let mut budget = PieceBudget::default();
             let runs = e
                 .segments
                 .iter()
                 .map(|s| {
                     Ok(Run {
-                        plan: source_plan(d, s.host, &s.req, None, history)?,
+                        plan: budget.take(source_plan(d, s.host, &s.req, None, history)?)?,
                         from: s.from,
                         to: Some(s.to),
                     })
@@ -49,11 +50,20 @@ pub(super) fn plan_dataset(
         samples.filter(|_| resume_from.is_none()),
         resume_from,
     );
+    // After an elastic epoch, the next one carries the topology it resized.
+    let after = resume_from.map(|o| crate::plan::passes::after(history, o, req.epoch));
+    let next_shape = crate::plan::Shape {
+        passes: Passes {
+            hops: after.as_deref().unwrap_or(history),
+            mix: None,
+        },
+        ..shape
+    };
     Ok(Plan {
         lanes: vec![Lane {
             dataset: name.to_owned(),
             runs,
-            next_epoch: next_epoch(config, shape, req, with_next),
+            next_epoch: next_epoch(config, next_shape, req, with_next),
         }],
         mix: None,
         samples,

@@ -77,6 +77,8 @@ pub(super) fn plan_mix(
         None => vec![lens.iter().position(|&n| n > 0).unwrap_or(0)],
     };
     let next = req.epoch.saturating_add(1);
+    // After an elastic epoch, the next one carries the topology it resized.
+    let after = resume_from.map(|o| crate::plan::passes::after(history, o, req.epoch));
     let next_quotas = m.quotas(next, job_streams(&req));
     let next_bases = m.epoch_bases(next, job_streams(&req), streams_per_host(config.host, &req));
     let mut sources = Vec::new();
@@ -94,7 +96,7 @@ pub(super) fn plan_mix(
                 samples_per_epoch: Some(next_quotas[i]),
                 epoch_base: next_bases.as_ref().map(|b| b[i]),
                 passes: Passes {
-                    hops: history,
+                    hops: after.as_deref().unwrap_or(history),
                     mix: Some((m, i)),
                 },
                 ..d.shape()
@@ -177,6 +179,7 @@ fn resumed_lanes(
     let local = crate::plan::validate(config.host, req)?;
     let splits = crate::plan::elastic::split_mix(m, config.host.count, req, origin)?;
     let stream = local * req.num_workers as usize + req.worker as usize;
+    let mut budget = PieceBudget::default();
     let lanes = splits
         .iter()
         .zip(datasets)
@@ -185,13 +188,13 @@ fn resumed_lanes(
                 .iter()
                 .map(|seg| {
                     Ok(Run {
-                        plan: source_plan(
+                        plan: budget.take(source_plan(
                             d,
                             seg.host,
                             &seg.req,
                             seg.source.map(|s| (s, m)),
                             history,
-                        )?,
+                        )?)?,
                         from: seg.from,
                         to: Some(seg.to),
                     })
