@@ -121,6 +121,11 @@ pub struct Args {
         conflicts_with = "from"
     )]
     pub resume_from: Option<std::path::PathBuf>,
+    /// With --verify: the job's `history` as the protocol's REQUEST carries it, a JSON file
+    /// `[{"hosts", "world_size", "num_workers", "last_epoch"}, ...]`: the topologies before
+    /// the checkpoint's, when the job was resized before.
+    #[arg(long, value_name = "FILE", requires = "verify")]
+    pub history: Option<std::path::PathBuf>,
 }
 
 /// One host's epoch.
@@ -388,11 +393,21 @@ async fn verify_run(mut config: Config, args: Args) -> anyhow::Result<()> {
             "--verify needs the checkpoint: --from H0,R0,K0 with --position(s), or --resume-from FILE"
         ),
     };
+    let history: Vec<crate::plan::passes::Hop> = match &args.history {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{}: not a history (a list of hops)", path.display()))?
+        }
+        None => Vec::new(),
+    };
     let json = args.json;
     let v = tokio::task::spawn_blocking(move || {
         let started = std::time::Instant::now();
         let topo = (args.hosts, args.ranks, args.workers);
-        let r = verify::replay(&config, &name, topo, (args.seed, args.epoch), &origin)?;
+        let key = (args.seed, args.epoch);
+        let r = verify::replay(&config, &name, topo, key, &origin, &history)?;
         let ids = config
             .datasets
             .values()

@@ -259,3 +259,27 @@ def test_a_restart_inside_the_elastic_epoch_keeps_the_history(make_daemon, data)
     assert want != plain
     assert [s["__key__"] for s in fresh] == want
     assert fresh.state_dict()["history"] == hop
+
+
+def test_plan_verify_certifies_a_resize_of_a_job_resized_before(data, tmp_path):
+    """`shardd plan --verify --history FILE`: the resize's old streams are planned as the
+    daemon plans them after the earlier resize (their sequences start with heads), and the
+    resume is certified; a history the daemon refuses is refused with its message."""
+    import json
+
+    body, _ = data
+    config = tmp_path / "c.toml"
+    config.write_text(body)
+    history = tmp_path / "history.json"
+    history.write_text(json.dumps([{"hosts": 2, "world_size": 2, "num_workers": 2, "last_epoch": 1}]))
+    plan = [SHARDD, "plan", "--config", str(config), "--seed", "4", "--epoch", "3", "--verify",
+            "--hosts", "2", "--ranks", "1", "--workers", "1", "--from", "1,2,2", "--positions", "3,4",
+            "--json"]
+    ok = subprocess.run(plan + ["--history", str(history)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    v = json.loads(ok.stdout)
+    assert v["breaches"] == [] and v["sources"][0]["duplicates"] == 0
+    history.write_text(json.dumps([{"hosts": 2, "world_size": 2, "num_workers": 2, "last_epoch": 3}]))
+    bad = subprocess.run(plan + ["--history", str(history)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+    assert "history: the last hop's last_epoch 3 is not before the requested epoch 3" in bad.stderr, bad.stderr

@@ -7,6 +7,7 @@ fn args(hosts: u32, ranks: u32, workers: u32) -> Args {
         verify: false,
         positions: None,
         resume_from: None,
+        history: None,
         hosts,
         ranks,
         workers,

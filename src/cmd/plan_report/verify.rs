@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use super::*;
 use crate::plan::StreamPlan;
 use crate::plan::elastic::Origin;
+use crate::plan::passes::Hop;
 use crate::plan::request::{Plan, Run};
 use crate::plan::shuffle::WindowShuffle;
 
@@ -129,7 +130,7 @@ fn streams(
     config: &Config,
     name: &str,
     (hosts, world, workers): (u32, u32, u32),
-    (seed, epoch): (u64, u64),
+    (seed, epoch, history): (u64, u64, &[Hop]),
     resume: Option<&Origin>,
     what: &str,
 ) -> anyhow::Result<Vec<Vec<Plan>>> {
@@ -150,8 +151,8 @@ fn streams(
                 worker: s % workers,
                 num_workers: workers,
             };
-            let plan =
-                plan::request::plan(&config, name, req, resume, &[], false).with_context(|| {
+            let plan = plan::request::plan(&config, name, req, resume, history, false)
+                .with_context(|| {
                     format!("{what}: host {h}, rank {}, worker {}", req.rank, req.worker)
                 })?;
             out.push(plan);
@@ -169,11 +170,12 @@ pub fn replay(
     (hosts, ranks, workers): (u32, u32, u32),
     (seed, epoch): (u64, u64),
     origin: &Origin,
+    history: &[Hop],
 ) -> anyhow::Result<Replay> {
     let world = hosts
         .checked_mul(ranks)
         .context("--hosts × --ranks is past 2^32")?;
-    let key = (seed, epoch);
+    let key = (seed, epoch, history);
     // The new streams first: their planning checks the origin (positions past an old
     // stream's end, a world not divisible by its hosts, ...) and names what is wrong.
     let new = streams(

@@ -32,7 +32,7 @@ fn origin(hosts: u32, ranks: u32, positions: Vec<u64>) -> Origin {
 }
 
 fn run(c: &Config, name: &str, to: (u32, u32, u32), o: &Origin) -> (Replay, Verification) {
-    let r = replay(c, name, to, (3, 1), o).unwrap();
+    let r = replay(c, name, to, (3, 1), o, &[]).unwrap();
     let v = check(&r, &ids(c), name, o, to.0);
     (r, v)
 }
