@@ -1,22 +1,7 @@
 use super::*;
+use crate::plan::mix::schedule::mix_of;
 use crate::plan::shuffle::SplitMix64;
 use std::collections::HashMap;
-
-/// A mix of `weights.len()` sources (named s0, s1, ...) of `e` samples per stream and epoch.
-fn mix_of(
-    weights: &[u64],
-    e: u64,
-    schedule: Vec<(crate::config::ScheduleFrom, Vec<u64>)>,
-) -> crate::config::MixDataset {
-    crate::config::MixDataset {
-        name: "mix".into(),
-        sources: (weights.iter().enumerate())
-            .map(|(i, &w)| (format!("s{i}"), w))
-            .collect(),
-        samples_per_epoch: e,
-        schedule,
-    }
-}
 
 /// A plan's samples in output order, named (shard, index), shuffled as the stream does.
 fn shuffled(p: &plan::StreamPlan, window: usize) -> Vec<(usize, u64)> {

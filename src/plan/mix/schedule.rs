@@ -267,5 +267,22 @@ impl MixDataset {
     }
 }
 
+/// A mix of `weights.len()` sources (named s0, s1, ...) of `e` samples per stream and epoch.
+#[cfg(test)]
+pub(crate) fn mix_of(
+    weights: &[u64],
+    e: u64,
+    schedule: Vec<(ScheduleFrom, Vec<u64>)>,
+) -> MixDataset {
+    MixDataset {
+        name: "mix".into(),
+        sources: (weights.iter().enumerate())
+            .map(|(i, &w)| (format!("s{i}"), w))
+            .collect(),
+        samples_per_epoch: e,
+        schedule,
+    }
+}
+
 #[cfg(test)]
 mod tests;

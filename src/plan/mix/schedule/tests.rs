@@ -2,17 +2,6 @@ use super::*;
 use crate::config::ScheduleFrom::{Epoch, Sample};
 use crate::plan::shuffle::SplitMix64;
 
-fn mix_of(weights: &[u64], e: u64, schedule: Vec<(ScheduleFrom, Vec<u64>)>) -> MixDataset {
-    MixDataset {
-        name: "mix".into(),
-        sources: (weights.iter().enumerate())
-            .map(|(i, &w)| (format!("s{i}"), w))
-            .collect(),
-        samples_per_epoch: e,
-        schedule,
-    }
-}
-
 fn depth(k: usize) -> u64 {
     (k as u64).next_power_of_two().trailing_zeros() as u64
 }
