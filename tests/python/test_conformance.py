@@ -358,7 +358,8 @@ def check_contract(mode, job, data, streams):
 
 def elastic_cell(d, mode, delivery, data):
     """A checkpoint at 2 ranks after AT samples each, finished at 1 rank: every sample not yet
-    read, once (but the drops START reports); modes without sample counts are refused."""
+    read, once (but the drops START reports); modes without sample counts are refused. A mix
+    (the mode with samples_per_epoch) then reads the next epoch with the job's history."""
     zero_copy = delivery == "zero_copy"
     origin = {"hosts": 1, "world_size": WORLD, "num_workers": 1, "positions": [AT]}
     refusals = {
@@ -385,6 +386,19 @@ def elastic_cell(d, mode, delivery, data):
     assert len(every - set(got)) == s.dropped, "drops other than the reported ones"
     for key, _, fields in rest:
         assert data["want"][key] == fields
+    if mode == "mix":
+        # The next epoch, sent with the job's history, finishes each source's pass before it
+        # starts the next: no sample of a source read twice while another is unread. (Without
+        # the history, the one new stream starts at its own arithmetic's position and reads
+        # part of epoch 0's samples again.)
+        history = shardd.next_history(None, origin, EPOCH)
+        with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+            nxt = [x["__key__"] for x in c.stream(mode, epoch=EPOCH + 1, rank=0, world_size=1,
+                                                  seed=SEED, history=history)]
+        reads = collections.Counter(got + nxt)
+        for keys in (data["web"], set(data["want"]) - data["web"]):
+            counts = [reads[k] for k in keys]
+            assert max(counts) - min(counts) <= 1, "a source's pass not finished across the resize"
     return "ok"
 
 
