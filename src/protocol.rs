@@ -186,10 +186,10 @@ pub struct Start {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero_copy: Option<bool>,
     /// A mix's segments this epoch: where its schedule changes the weights inside it (one
-    /// segment when it does not). Absent after an elastic resume. Version 6.
+    /// segment when it does not). Absent after an elastic resume. Version 7.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segments: Option<Vec<SegmentStart>>,
-    /// Which of `segments` holds `position`. Version 6.
+    /// Which of `segments` holds `position`. Version 7.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment: Option<usize>,
 }

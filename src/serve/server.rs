@@ -552,9 +552,10 @@ async fn plan_off_runtime(
     // per old host and hop: two are planned at a time, so that many at once (a job's every
     // stream resuming, or a hostile client) cannot add up.
     static ELASTIC_PLANS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
-    let _elastic = match resume_from.is_some() || !history.is_empty() {
-        true => Some(ELASTIC_PLANS.acquire().await.expect("never closed")),
-        false => None,
+    let _elastic = if resume_from.is_some() || !history.is_empty() {
+        Some(ELASTIC_PLANS.acquire().await.expect("never closed"))
+    } else {
+        None
     };
     let daemon = Arc::clone(daemon);
     let dataset = dataset.to_owned();
