@@ -112,6 +112,16 @@ pub struct MixDataset {
     pub schedule: Vec<(ScheduleFrom, Vec<u64>)>,
 }
 
+/// A schedule entry's start, as the config says it: `epoch = N` or `at = N`.
+impl std::fmt::Display for ScheduleFrom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ScheduleFrom::Epoch(e) => write!(f, "epoch = {e}"),
+            ScheduleFrom::Sample(n) => write!(f, "at = {n}"),
+        }
+    }
+}
+
 /// Where a schedule entry's weights start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScheduleFrom {

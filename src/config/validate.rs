@@ -305,7 +305,7 @@ fn validate_schedule(
                 )));
             }
         };
-        let here = describe(from);
+        let here = from;
         match (schedule.last().map(|(f, _)| *f), from) {
             (None, ScheduleFrom::Epoch(0)) | (None, ScheduleFrom::Sample(0)) => {
                 return Err(invalid(format!(
@@ -323,14 +323,14 @@ fn validate_schedule(
             {
                 return Err(invalid(format!(
                     "dataset {name:?}: schedule entries must increase ({here} after {})",
-                    describe(schedule.last().unwrap().0)
+                    schedule.last().unwrap().0
                 )));
             }
             (Some(ScheduleFrom::Epoch(_)), ScheduleFrom::Sample(_))
             | (Some(ScheduleFrom::Sample(_)), ScheduleFrom::Epoch(_)) => {
                 return Err(invalid(format!(
                     "dataset {name:?}: a schedule is keyed by epochs or by samples, not both ({here} after {}): which comes first would depend on the job's size",
-                    describe(schedule.last().unwrap().0)
+                    schedule.last().unwrap().0
                 )));
             }
             _ => {}
@@ -357,14 +357,6 @@ fn validate_schedule(
         schedule.push((from, w));
     }
     Ok(schedule)
-}
-
-/// A schedule entry's start, as the config says it.
-fn describe(from: ScheduleFrom) -> String {
-    match from {
-        ScheduleFrom::Epoch(e) => format!("epoch = {e}"),
-        ScheduleFrom::Sample(n) => format!("at = {n}"),
-    }
 }
 
 fn validate_dataset(

@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use crate::config::{MixDataset, ScheduleFrom};
+use crate::config::MixDataset;
 
 /// Where one schedule entry takes effect.
 #[derive(Debug, Serialize)]
@@ -53,10 +53,7 @@ pub fn report(m: &MixDataset, streams: u128, epoch: u64) -> ScheduleReport {
     };
     let first: Vec<u64> = m.sources.iter().map(|s| s.1).collect();
     let entries = std::iter::once(("first weights".to_string(), 0u128, &first))
-        .chain(m.schedule.iter().map(|(from, w)| match *from {
-            ScheduleFrom::Epoch(n) => (format!("epoch = {n}"), n as u128 * e, w),
-            ScheduleFrom::Sample(n) => (format!("at = {n}"), (n as u128).div_ceil(streams), w),
-        }))
+        .chain((m.schedule.iter()).map(|(from, w)| (from.to_string(), m.step(*from, streams), w)))
         .enumerate()
         .map(|(entry, (from, step, w))| EntryAt {
             entry,

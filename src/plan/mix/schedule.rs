@@ -180,7 +180,7 @@ impl Iterator for EpochCursor {
 /// A mix's plan, epoch by epoch (the config holds what it says: sources, weights, schedule).
 impl MixDataset {
     /// The step entry `from` starts at, with `streams` streams job-wide (module docs).
-    fn step(&self, from: ScheduleFrom, streams: u128) -> u128 {
+    pub fn step(&self, from: ScheduleFrom, streams: u128) -> u128 {
         match from {
             ScheduleFrom::Epoch(n) => n as u128 * self.samples_per_epoch as u128,
             ScheduleFrom::Sample(n) => (n as u128).div_ceil(streams.max(1)),
