@@ -348,7 +348,7 @@ impl Inner {
         let mut decoder = compression
             .decoder(std::io::BufReader::new(input))
             .map_err(io(decoding))?;
-        let mut out = std::io::BufWriter::new(file);
+        let mut out = super::blocks::BlockWriter::new(file);
         let base = reservation.bytes;
         let (mut size, mut crc) = (0u64, 0u32);
         let mut buf = vec![0u8; 256 << 10];
@@ -363,7 +363,7 @@ impl Inner {
             out.write_all(&buf[..n])
                 .map_err(io("writing to the cache"))?;
         }
-        out.flush().map_err(io("writing to the cache"))?;
+        out.finish().map_err(io("writing to the cache"))?;
         Ok((plain, size, crc))
     }
 

@@ -2,7 +2,7 @@
 //! `store.parts_in_flight` at once, each pinned to the version's ETag with `If-Match`, written
 //! at their offsets by one blocking writer behind a bounded channel (a slow disk never blocks
 //! a runtime thread, and memory stays bounded). Each part gathers its body chunks into batches
-//! of ~1 MiB, one channel message and one `pwritev` each.
+//! that end at 2 MiB boundaries, one channel message and one `pwritev` each.
 //!
 //! The writer also checksums: a CRC-32C per part as its chunks arrive (in order within a
 //! part), combined into the object's CRC-32C at the end, so the bytes are never read back.
@@ -24,26 +24,83 @@ use object_store::{GetOptions, GetRange, ObjectStore};
 use super::reported::Reported;
 use super::verify::Received;
 use super::{ReadError, Stores, Version};
+use crate::cache::blocks;
 use crate::config::url::ShardUrl;
 
-/// Body bytes a part gathers before handing them to the writer. The HTTP client's chunks
-/// average ~220 KiB here (2.4 k `recv`s and as many `pwrite`s and writer wake-ups per
-/// 0.5 GB, `strace -c` on a cold `cache_bench` epoch); batches of 1 MiB send the writer a
-/// quarter as many messages and system calls, and copy nothing (the chunks go to `pwritev`).
-const BATCH_BYTES: u64 = 1 << 20;
-/// Most chunks in one batch: well under `IOV_MAX` (1024).
-const BATCH_CHUNKS: usize = 256;
+/// A part gathers its body chunks into batches that end at block boundaries
+/// ([`blocks::BLOCK`], 2 MiB): one message and one `pwritev` each, no copy. The HTTP
+/// client's chunks average ~220 KiB here (2.4 k `recv`s and as many `pwrite`s and writer
+/// wake-ups per 0.5 GB, `strace -c` on a cold `cache_bench` epoch), and the page cache keeps
+/// an aligned 2 MiB write as one large folio, which a trainer maps in one fault.
+///
+/// Most chunks in one batch: well under `IOV_MAX` (1024); a batch of tiny chunks is sent
+/// early, unaligned.
+const BATCH_CHUNKS: usize = 512;
 /// Batches queued for the writer: enough to keep the disk busy; with the batch each part is
-/// gathering, a download holds at most (8 + parts in flight) MiB of body.
-const WRITE_QUEUE: usize = 8;
+/// gathering, a download holds at most (4 + parts in flight) × 2 MiB of body.
+const WRITE_QUEUE: usize = 4;
 
 /// Consecutive body chunks of part `part`, to be written from `at`; `md5` when the whole
 /// object is this one part and its MD5 is the checksum to check.
 struct Chunk {
     part: usize,
     at: u64,
+    len: u64,
     bufs: Vec<Bytes>,
     md5: bool,
+}
+
+impl Chunk {
+    fn new(part: usize, at: u64, md5: bool) -> Self {
+        Chunk {
+            part,
+            at,
+            len: 0,
+            bufs: Vec::new(),
+            md5,
+        }
+    }
+
+    /// Where the next byte of the part goes.
+    fn end(&self) -> u64 {
+        self.at + self.len
+    }
+}
+
+/// Gathers one part's body chunks into batches that end at block boundaries: cut with no
+/// copy (`Bytes` are shared), so that each batch but the part's first and last is one whole,
+/// aligned block (`cache::blocks`).
+struct Batcher {
+    range: Range<u64>,
+    batch: Chunk,
+}
+
+impl Batcher {
+    fn new(part: usize, range: Range<u64>, md5: bool) -> Self {
+        let batch = Chunk::new(part, range.start, md5);
+        Batcher { range, batch }
+    }
+
+    /// Takes the part's next chunk (which lies within the part); appends to `ready` the
+    /// batches it completes.
+    fn push(&mut self, mut bytes: Bytes, ready: &mut Vec<Chunk>) {
+        while !bytes.is_empty() {
+            let block_end = blocks::next_boundary(self.batch.at).min(self.range.end);
+            let room = (block_end - self.batch.end()) as usize;
+            let head = bytes.split_to(room.min(bytes.len()));
+            self.batch.len += head.len() as u64;
+            self.batch.bufs.push(head);
+            if self.batch.end() == block_end || self.batch.bufs.len() >= BATCH_CHUNKS {
+                let next = Chunk::new(self.batch.part, self.batch.end(), self.batch.md5);
+                ready.push(std::mem::replace(&mut self.batch, next));
+            }
+        }
+    }
+
+    /// The last batch, if the part's end did not complete it.
+    fn finish(self) -> Option<Chunk> {
+        (!self.batch.bufs.is_empty()).then_some(self.batch)
+    }
 }
 
 /// What one part's GET brought besides its bytes.
@@ -124,12 +181,8 @@ impl Stores {
         let md5 = single && self.wants_md5(shard, version, reported.as_ref());
         let mut body = got.into_stream();
         let mut at = range.start;
-        let mut batch = Chunk {
-            part,
-            at,
-            bufs: Vec::new(),
-            md5,
-        };
+        let mut batches = Batcher::new(part, range.clone(), md5);
+        let mut ready = Vec::new();
         while let Some(chunk) = body.next().await {
             let bytes = chunk.map_err(|e| self.store_error(shard, e))?;
             let len = bytes.len() as u64;
@@ -137,21 +190,17 @@ impl Stores {
                 break; // more than asked for: counted as a bad length below
             }
             self.count("", len);
-            batch.bufs.push(bytes);
             at += len;
-            if at - batch.at >= BATCH_BYTES || batch.bufs.len() >= BATCH_CHUNKS {
-                let next = Chunk {
-                    part,
-                    at,
-                    bufs: Vec::new(),
-                    md5,
-                };
-                if tx.send(std::mem::replace(&mut batch, next)).await.is_err() {
+            batches.push(bytes, &mut ready);
+            for batch in ready.drain(..) {
+                if tx.send(batch).await.is_err() {
                     return Ok(reported); // the writer failed; `download` reports why
                 }
             }
         }
-        if !batch.bufs.is_empty() && tx.send(batch).await.is_err() {
+        if let Some(batch) = batches.finish()
+            && tx.send(batch).await.is_err()
+        {
             return Ok(reported);
         }
         if at != range.end {
@@ -244,7 +293,59 @@ pub(super) fn combine(crcs: &[u32], lens: &[u64]) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{combine, write_all_at};
+    use super::{BATCH_CHUNKS, Batcher, combine, write_all_at};
+    use crate::cache::blocks::BLOCK;
+
+    #[test]
+    fn batches_hold_the_part_exactly_and_end_at_block_boundaries() {
+        let block = BLOCK as u64;
+        // A part that starts and ends mid-block, fed in odd chunks, some larger than a block.
+        let range = 3 * block + 5..9 * block - 77;
+        let data: Vec<u8> = (0..range.end - range.start)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let mut batcher = Batcher::new(3, range.clone(), false);
+        let mut batches = Vec::new();
+        let mut rest = &data[..];
+        let mut n = 0usize;
+        while !rest.is_empty() {
+            n += 1;
+            let take = [1, 300_000, 5_000_000, 65_536][n % 4].min(rest.len());
+            batcher.push(bytes::Bytes::copy_from_slice(&rest[..take]), &mut batches);
+            rest = &rest[take..];
+        }
+        batches.extend(batcher.finish());
+        let mut at = range.start;
+        let mut got = Vec::new();
+        for (i, b) in batches.iter().enumerate() {
+            assert_eq!((b.part, b.at), (3, at), "batch {i}");
+            assert_eq!(b.len, b.bufs.iter().map(|x| x.len() as u64).sum::<u64>());
+            if i > 0 {
+                assert_eq!(b.at % block, 0, "batch {i} starts on a boundary");
+            }
+            if i + 1 < batches.len() {
+                assert_eq!(b.end() % block, 0, "batch {i} ends on a boundary");
+            }
+            b.bufs.iter().for_each(|x| got.extend_from_slice(x));
+            at = b.end();
+        }
+        assert_eq!(at, range.end);
+        assert_eq!(got, data);
+        assert_eq!(batches.len(), 6); // the head, 4 whole blocks, the tail
+
+        // Tiny chunks: a batch is sent early at BATCH_CHUNKS chunks.
+        let mut batcher = Batcher::new(0, 0..block, false);
+        let mut batches = Vec::new();
+        for _ in 0..BATCH_CHUNKS + 1 {
+            batcher.push(bytes::Bytes::from_static(b"x"), &mut batches);
+        }
+        assert_eq!(batches.len(), 1);
+        assert_eq!(batches[0].len, BATCH_CHUNKS as u64);
+        assert_eq!(
+            batcher.finish().map(|b| (b.at, b.len)),
+            Some((BATCH_CHUNKS as u64, 1))
+        );
+    }
 
     #[test]
     fn a_batch_lands_byte_exact_at_its_offset() {
