@@ -26,7 +26,9 @@ pub fn next_boundary(at: u64) -> u64 {
 /// reader that reads straight into the block (a local copy, without a copy of its own).
 pub struct BlockWriter {
     file: std::fs::File,
-    buf: Vec<u8>,
+    /// The block being gathered: allocated (and zeroed) once, its first `len` bytes filled.
+    buf: Box<[u8]>,
+    len: usize,
     at: u64,
 }
 
@@ -34,7 +36,8 @@ impl BlockWriter {
     pub fn new(file: std::fs::File) -> Self {
         BlockWriter {
             file,
-            buf: Vec::with_capacity(BLOCK),
+            buf: vec![0u8; BLOCK].into_boxed_slice(),
+            len: 0,
             at: 0,
         }
     }
@@ -47,34 +50,26 @@ impl BlockWriter {
         read: impl FnOnce(&mut [u8]) -> io::Result<usize>,
         seen: impl FnOnce(&[u8]),
     ) -> io::Result<usize> {
-        let filled = self.buf.len();
-        self.buf.resize(BLOCK, 0);
-        let n = read(&mut self.buf[filled..]);
-        let n = match n {
-            Ok(n) => n,
-            Err(e) => {
-                self.buf.truncate(filled);
-                return Err(e);
-            }
-        };
-        self.buf.truncate(filled + n);
-        seen(&self.buf[filled..]);
-        if self.buf.len() == BLOCK {
+        let room = &mut self.buf[self.len..];
+        let n = read(room)?.min(room.len());
+        seen(&self.buf[self.len..self.len + n]);
+        self.len += n;
+        if self.len == BLOCK {
             self.write_block()?;
         }
         Ok(n)
     }
 
     fn write_block(&mut self) -> io::Result<()> {
-        self.file.write_all_at(&self.buf, self.at)?;
-        self.at += self.buf.len() as u64;
-        self.buf.clear();
+        self.file.write_all_at(&self.buf[..self.len], self.at)?;
+        self.at += self.len as u64;
+        self.len = 0;
         Ok(())
     }
 
     /// Writes what is gathered (the file's last, short block) and returns the file.
     pub fn finish(mut self) -> io::Result<std::fs::File> {
-        if !self.buf.is_empty() {
+        if self.len > 0 {
             self.write_block()?;
         }
         Ok(self.file)
@@ -83,9 +78,10 @@ impl BlockWriter {
 
 impl io::Write for BlockWriter {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        let n = data.len().min(BLOCK - self.buf.len());
-        self.buf.extend_from_slice(&data[..n]);
-        if self.buf.len() == BLOCK {
+        let n = data.len().min(BLOCK - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&data[..n]);
+        self.len += n;
+        if self.len == BLOCK {
             self.write_block()?;
         }
         Ok(n)

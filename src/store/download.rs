@@ -36,8 +36,9 @@ use crate::config::url::ShardUrl;
 /// Most chunks in one batch: well under `IOV_MAX` (1024); a batch of tiny chunks is sent
 /// early, unaligned.
 const BATCH_CHUNKS: usize = 512;
-/// Batches queued for the writer: enough to keep the disk busy; with the batch each part is
-/// gathering, a download holds at most (4 + parts in flight) × 2 MiB of body.
+/// Batches queued for the writer: enough to keep the disk busy; with the batch the writer
+/// holds and the one each part is gathering, a download holds at most
+/// (4 + 1 + parts in flight) × 2 MiB of body (18 MiB at the defaults).
 const WRITE_QUEUE: usize = 4;
 
 /// Consecutive body chunks of part `part`, to be written from `at`; `md5` when the whole
@@ -84,6 +85,7 @@ impl Batcher {
     /// Takes the part's next chunk (which lies within the part); appends to `ready` the
     /// batches it completes.
     fn push(&mut self, mut bytes: Bytes, ready: &mut Vec<Chunk>) {
+        debug_assert!(self.batch.end() + bytes.len() as u64 <= self.range.end);
         while !bytes.is_empty() {
             let block_end = blocks::next_boundary(self.batch.at).min(self.range.end);
             let room = (block_end - self.batch.end()) as usize;

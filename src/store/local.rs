@@ -72,7 +72,12 @@ pub(super) fn copy(
             .fill(
                 |room| {
                     let n = want.min(room.len());
-                    file.read_at(&mut room[..n], copied)
+                    loop {
+                        match file.read_at(&mut room[..n], copied) {
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                            read => return read,
+                        }
+                    }
                 },
                 |piece| crc = crc32c::crc32c_append(crc, piece),
             )
