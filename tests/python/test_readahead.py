@@ -325,6 +325,47 @@ def test_shardd_torch_takes_the_next_epoch_opened_ahead(make_daemon, fake_gcs):
     assert streams(d) == 2 + 3  # the two reference reads; epochs 0, 1 and 2 (ahead)
 
 
+def test_a_zero_copy_stream_whose_reads_do_not_wait_keeps_them_on_the_callers_thread(
+        make_daemon, fake_gcs):
+    """A zero-copy batch is decoded under the GIL, so a thread could only take turns with the
+    caller: from a warm cache its reads do not wait, and however long the caller works between
+    batches the stream goes on reading on the caller's thread, with the same samples."""
+    d = make_daemon(gcs_config(fake_gcs))
+    want = read(d.socket)  # and the cache is warm
+
+    def copied(sample):  # lets go of its maps, as a trainer's collate does
+        return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+
+    with Client(d.socket, zero_copy=True) as c:
+        s = c.stream("train", epoch=0, rank=0, world_size=1)
+        got = []
+        for x in s:
+            got.append(copied(x))
+            time.sleep(0.0005)  # the trainer's work: a batch's is far longer than its read
+        assert s._frames.zero_copy is not None
+        assert s._thread is None
+    assert fields(got) == fields(want)
+
+
+def test_a_zero_copy_stream_whose_reads_wait_for_the_daemon_gets_the_thread(
+        make_daemon, cutting_proxy):
+    """The other side: a cold daemon behind a slow store (one download at a time, ~0.2 s per
+    8 MB shard), so the stream's second read waits for a download; a caller that then works
+    as long as that read took gets the thread from its next batch, as on the socket path."""
+    slow = cutting_proxy(rate=40 << 20)
+    d = make_daemon(gcs_config(slow.endpoint, extra="[store]\nmax_downloads = 1\n"))
+    with Client(d.socket, zero_copy=True) as c:
+        s = c.stream("big", epoch=0, rank=0, world_size=1)
+        got = [next(s)["__key__"], next(s)["__key__"]]
+        assert s._frames.zero_copy is not None and s._thread is None
+        assert s._took < float("inf")  # the read waited: a thread can overlap that
+        time.sleep(s._took)  # the trainer's work on the batch
+        got.append(next(s)["__key__"])
+        assert s._thread is not None
+        got += [x["__key__"] for x in s]
+    assert len(set(got)) == len(got) == BIG_SHARDS
+
+
 def test_zero_copy_read_ahead_counts_the_bytes_it_maps(make_daemon, fake_gcs):
     """A zero-copy batch is a few bytes per field on the socket but hands out whole mapped
     fields (and keeps their shards pinned): read-ahead bounded by frame bytes took in the

@@ -91,17 +91,22 @@ class ReadingAhead:
         self._readahead = readahead
         self._handed = None  # perf_counter when the caller got the last batch read here
         self._took = 0.0  # how long reading that batch took
+        self._reads = [0.0, 0.0]  # zero copy: seconds its reads took, and waited in the kernel
 
     def _read_here(self):
         """Reads the next batch on the caller's thread, unless the caller has shown that it
         works between batches at least as long as a batch takes to receive: then the read-ahead
         thread takes over from here. A caller that only drains the stream (a benchmark, a
-        copy) keeps reading it itself, which costs no thread handoffs."""
+        copy) keeps reading it itself, which costs no thread handoffs. A zero-copy batch
+        counts only if its read mostly waited in the kernel (see below)."""
         now = time.perf_counter()
         if self._handed is not None and self._readahead > 0:
             if now - self._handed >= self._took:
                 self._start_thread()
                 return self._take_batch()
+        zero_copy = self._frames.zero_copy
+        waited = zero_copy.waited if zero_copy is not None else 0.0
+        outages = self.reconnects
         try:
             batch = self._fetch()
         except StopIteration:
@@ -110,8 +115,22 @@ class ReadingAhead:
                 threading.Thread(target=self._prefetch, args=(dict(self._request),),
                                  daemon=True).start()
             raise
+        # The first batch waits for the stream's first shuffle window; one read across a
+        # reconnect, for the daemon.
+        first = self._handed is None or self.reconnects != outages
         self._handed = then = time.perf_counter()
         self._took = then - now
+        if zero_copy is not None:
+            # A zero-copy batch is a few bytes per field, decoded under the GIL: a thread
+            # decoding it would take turns with the caller, not overlap it (a caller copying
+            # the fields lost a quarter of its samples/s to that). Only reads that mostly wait
+            # for the daemon (shards still being fetched) are worth a thread: over the
+            # stream's reads so far, but those above.
+            if not first:
+                self._reads[0] += self._took
+                self._reads[1] += zero_copy.waited - waited
+            if self._reads[1] < self._reads[0] / 2 or first:
+                self._took = float("inf")
         return batch
 
     def _start_thread(self):

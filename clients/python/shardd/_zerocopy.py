@@ -13,6 +13,7 @@ import os
 import resource
 import socket
 import struct
+import time
 import weakref
 
 from ._errors import ProtocolError
@@ -44,13 +45,18 @@ class ZeroCopy:
         self._fds = collections.deque()  # descriptors received, for the MAP frames to come
         self._released = collections.deque()  # (generation, map id), from the finalizers
         self._generation = 0  # which connection a map belongs to
+        self.waited = 0.0  # seconds spent in recvmsg, for read-ahead's decision (``_readahead``)
 
     def recv_into(self, view):
         """``recv_into`` that also takes the descriptors of MAP frames (SCM_RIGHTS), first
         sending the RELEASE of the maps nothing refers to any more."""
         if self._released:
             self._send_releases()
-        n, anc, flags, _ = self.sock.recvmsg_into([view], _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+        began = time.perf_counter()
+        try:
+            n, anc, flags, _ = self.sock.recvmsg_into([view], _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+        finally:
+            self.waited += time.perf_counter() - began
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")

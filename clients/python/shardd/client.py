@@ -79,7 +79,9 @@ class Client:
     at the first batch boundary where the caller spent at least as long since the previous
     batch as that batch took to receive (a trainer: at its second batch); a caller that only
     drains the stream keeps reading it itself, as handing batches between two threads would
-    cost it throughput. ``eager_readahead=True`` starts the thread with the stream.
+    cost it throughput; a zero-copy stream starts it only once its reads mostly wait for the
+    daemon (docs/client.md, "Read-ahead"). ``eager_readahead=True`` starts the thread with
+    the stream.
 
     ``prefetch_next_epoch`` (default False; with ``readahead`` > 0): for a caller that reads
     epoch after epoch (``shardd.torch`` and ``shardd.grain`` turn it on). When a stream has
