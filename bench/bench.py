@@ -11,7 +11,10 @@ Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter
      stream: rank 0 of world 1, sample shuffle window 1000), over the socket path and, where
      the daemon and client offer it, the zero-copy path (``Client(zero_copy=True)``);
    - raw Unix-socket bandwidth into this process (recv_into a 1 MiB buffer from a process that
-     sends as fast as it can): the ceiling for any socket-based client.
+     sends as fast as it can): the ceiling for any socket-based client;
+   - "bound: the loop alone": this script's consumer loop over one zero-copy stream's samples
+     decoded beforehand into a list (mapped pages, the same order): the ceiling for any
+     client, compiled or not, that hands this loop dicts of fields.
    Each reader runs twice: taking only each field's length (delivery), and reading every
    byte of each field (copied into a preallocated buffer, as a collate copies into a tensor:
    "touched"), as a trainer does; ratios compare readers that read alike.
@@ -21,7 +24,8 @@ Generates local shards of ~100 KB and ~10 KB samples with webdataset's TarWriter
    epochs for a precise figure).
 
 2. --consumers processes at once (default 16: 8 ranks x 2 DataLoader-style workers) on the
-   same cores: webdataset with each process reading its share of the shards, against shardd
+   same cores: webdataset with each process reading its share of the shards, litData with each
+   its share of the chunks (a chunk per shard), against shardd
    with each process reading its own stream (both paths); each delivering only, then touching
    every byte, as in part 1. Total samples/s and MB/s from the
    first start to the last end, best of --repeat. Each shardd consumer's stream is short
@@ -140,6 +144,12 @@ def read_shardd(sock, dataset, zero_copy=False, rank=0, world_size=1, worker=0, 
                       for epoch in itertools.count()), until, touch)
 
 
+def prebuilt_samples(sock, dataset):
+    """Epoch 0 of one zero-copy stream as a list (its fields stay mapped while it lives)."""
+    with shardd.Client(sock, zero_copy=True) as c:
+        return list(c.stream(dataset, epoch=0, rank=0, world_size=1))
+
+
 def zero_copy_offered():
     """Whether this client has the zero-copy path (older ones do not: it is then skipped)."""
     import inspect
@@ -156,21 +166,32 @@ def _litdata_item(path):
 
 
 def litdata_dir(paths, directory):
-    """The shards in litData's format, made once (kept beside the shards)."""
+    """The shards in litData's format, made once (kept beside the shards): a chunk per shard
+    (chunk_bytes the shards' size), so that part 2's consumers each have chunks to read."""
     done = directory / "done"
     if not done.exists():
         import litdata
 
+        chunk = sum(p.stat().st_size for p in paths) // len(paths)
         litdata.optimize(fn=_litdata_item, inputs=[str(p) for p in paths], output_dir=str(directory),
-                         chunk_bytes="64MB", num_workers=1, mode="overwrite", verbose=False)
+                         chunk_bytes=chunk, num_workers=1, mode="overwrite", verbose=False)
         done.write_text("")
     return directory
 
 
-def read_litdata(directory, touch=False):
+def read_litdata(directory, rank=0, world_size=1, until=None, touch=False):
+    """litData's StreamingDataset over ``directory``, one pass (or pass after pass until
+    ``until``; see ``count``): as rank ``rank`` of ``world_size`` processes, each reading its
+    share of the chunks (litData's own split, told the world it cannot detect here)."""
     import litdata
+    from litdata.utilities.env import _DistributedEnv
 
-    return count([litdata.StreamingDataset(str(directory))], touch=touch)
+    def one_pass():
+        ds = litdata.StreamingDataset(str(directory))
+        ds.distributed_env = _DistributedEnv(world_size, rank, 1)
+        return ds
+
+    return count((one_pass() for _ in itertools.count()), until, touch)
 
 
 # -- the daemon ---------------------------------------------------------------------------
@@ -286,7 +307,8 @@ def main():
         "s100k": generate(data / f"100k-{args.total_mb}", 100_000, total),
     }
     lit = {} if args.no_litdata else {
-        name: litdata_dir(paths, data / f"litdata-{paths[0].parent.name}") for name, paths in sets.items()}
+        name: litdata_dir(paths, data / f"litdata-{paths[0].parent.name}-{SHARDS}-chunks")
+        for name, paths in sets.items()}
     paths_zc = [False] + ([True] if zero_copy_offered() else [])
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(tmp, sets, args.shardd)
@@ -298,14 +320,20 @@ def main():
                 for zc in paths_zc:
                     read_shardd(sock, name, zc)  # and the daemon's cache
                 readers = []
+                # The bound on any client in this process: the consumer's loop alone, over the
+                # samples of one zero-copy stream decoded beforehand (mapped pages, same order).
+                prebuilt = prebuilt_samples(sock, name) if True in paths_zc else None
                 for touch in (False, True):
                     t = ", touched" if touch else ""
                     readers.append((f"webdataset{t}", lambda touch=touch: read_webdataset(paths, touch=touch)))
                     if name in lit:
-                        readers.append((f"litdata{t}", lambda touch=touch: read_litdata(lit[name], touch)))
+                        readers.append((f"litdata{t}", lambda touch=touch: read_litdata(lit[name], touch=touch)))
                     for zc in paths_zc:
                         readers.append((("shardd zero-copy" if zc else "shardd") + t,
                                         lambda zc=zc, touch=touch: read_shardd(sock, name, zc, touch=touch)))
+                    if prebuilt:
+                        readers.append((f"bound: the loop alone{t}",
+                                        lambda touch=touch: count([prebuilt], touch=touch)))
                 best = {label: (0, 0) for label, _ in readers}
                 for _ in range(args.repeat):
                     for label, fn in readers:
@@ -331,6 +359,9 @@ def main():
                             kw = {"touch": touch}
                             runs.append((f"webdataset{how}", [(read_webdataset, (paths[i::n],), kw)
                                                               for i in range(n)], seconds))
+                            if name in lit:
+                                runs.append((f"litdata{how}", [(read_litdata, (lit[name], i, n), kw)
+                                                               for i in range(n)], seconds))
                             runs += [(("shardd zero-copy" if zc else "shardd") + how,
                                       [(read_shardd, (sock, name, zc, i // 2, n // 2, i % 2, 2), kw)
                                        for i in range(n)], seconds) for zc in paths_zc]
@@ -378,9 +409,15 @@ def main():
             print(f"{name}:")
             for label, s in r.items():
                 how = label.partition(", ")[2]
-                w = r["webdataset" + (f", {how}" if how else "")]
-                ratio = "" if label.startswith("webdataset") else (
-                    f" = {s[0] / w[0]:5.1f}x; daemon CPU {100 * s[2]:3.0f}% of the {CORES} cores")
+                suffix = f", {how}" if how else ""
+                w, lit_run = r["webdataset" + suffix], r.get("litdata" + suffix)
+                ratio = ""
+                if not label.startswith("webdataset"):
+                    ratio = f" = {s[0] / w[0]:5.1f}x webdataset"
+                if label.startswith("shardd"):
+                    if lit_run:
+                        ratio += f", {s[0] / lit_run[0]:4.2f}x litData"
+                    ratio += f"; daemon CPU {100 * s[2]:3.0f}% of the {CORES} cores"
                 print(f"    {label:36} {s[0]:8.0f} samples/s {s[1]:6.0f} MB/s{ratio}")
 
 

@@ -35,7 +35,12 @@ Configurations (each run for ``--epochs`` epochs):
   D-pipe  webdataset exactly as in C but with ``pipe:shardd get --socket SOCK gs://...``
           (a fresh daemon again: its first epoch downloads, the next read its cache).
 
-litData (configuration E) is not run: see docs/benchmarks.md for why.
+  E       litData: the same images in litData's own chunk format (``litdata.optimize``, chunks
+          the size of the tars) in the same store, read through its GCS downloader
+          (google-cloud-storage, ``STORAGE_EMULATOR_HOST`` = the store) by ``StreamingDataset``
+          and ``StreamingDataLoader`` (shuffled, a fresh cache directory: epoch 1 cold). Run
+          when litdata and google-cloud-storage are installed (bench/requirements.txt, not the
+          tests' venv); otherwise skipped with a line that says so.
 
 Per configuration and epoch it prints images/s, CPU-seconds per image of all the processes
 that do the work (the trainer, its loader workers and what they spawn - curl, shardd get -
@@ -44,9 +49,10 @@ store's requests and bytes (the proxy's counters), and the time to the first bat
 last epoch it measures the time to the first batch of a mid-epoch resume (half the epoch
 done): A drops the first half of the epoch's shuffled index list; B, C and D-pipe skip the
 samples already seen (``.slice(n)`` per worker before decoding: what a webdataset user does,
-which still reads them); D and D-zc load the StatefulDataLoader state taken mid-epoch (exact).
+which still reads them); D and D-zc load the StatefulDataLoader state taken mid-epoch (exact), and E its
+StreamingDataLoader's state.
 
-    .venv/bin/python bench/blog_experiment.py                 # 4000 images, 2 epochs (3000 took 12 min at load 3-10)
+    .venv/bin/python bench/blog_experiment.py                 # 4000 images, 2 epochs (3000 took 4 min idle)
     .venv/bin/python bench/blog_experiment.py --quick         # 256 small images, 1 epoch: CI
     .venv/bin/python bench/blog_experiment.py --shardd /path/to/shardd --workers 2
 """
@@ -86,6 +92,7 @@ from shardd._seeds import sample_seed  # noqa: E402
 
 BUCKET = "bkt"
 PREFIX = "blog"
+LITDATA_PREFIX = "blog-litdata"
 BATCH = 128
 SEED = 0
 CROP = 224
@@ -140,6 +147,38 @@ def generate(data, images, per_shard, lo, hi):
         s.close()
     done.write_text("")
     return files, tars
+
+
+def _litdata_item(path):
+    """litdata.optimize's function: one image and its label."""
+    return {"key": path.stem, "jpg": path.read_bytes(), "cls": int(path.with_suffix(".cls").read_bytes())}
+
+
+def make_litdata(data, files, tars):
+    """The images in litData's format under the store's root (data/store/BUCKET/LITDATA_PREFIX),
+    chunks the mean size of the tars; made once. False when litdata is not installed."""
+    try:
+        import litdata
+        import google.cloud.storage  # noqa: F401  (litData's GCS downloader)
+    except ImportError:
+        return False
+    done = data / "litdata-done"
+    if not done.exists():
+        out = data / "store" / BUCKET / LITDATA_PREFIX
+        shutil.rmtree(out, ignore_errors=True)
+        chunk = sum(t.stat().st_size for t in tars) // len(tars)
+        # In a child: litdata.optimize makes "spawn" this process's default start method,
+        # which the experiment's loaders must not inherit.
+        child = multiprocessing.get_context("fork").Process(
+            target=litdata.optimize,
+            kwargs=dict(fn=_litdata_item, inputs=files, output_dir=str(out), chunk_bytes=chunk,
+                        num_workers=1, mode="overwrite", verbose=False))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"litdata.optimize failed (exit code {child.exitcode})")
+        done.write_text("")
+    return True
 
 
 # -- the one transform ------------------------------------------------------------------------
@@ -219,6 +258,16 @@ class WdsSample:
 
     def __call__(self, s):
         return transform(s["jpg"], key_seed(self.epoch, s["__key__"])), int(s["cls"])
+
+
+class LitSample:
+    """litData's transform (picklable): an item -> (tensor, label)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def __call__(self, s):
+        return transform(s["jpg"], key_seed(self.epoch, s["key"])), s["cls"]
 
 
 def shardd_stage(samples):
@@ -443,6 +492,48 @@ def run_shardd(args, daemon, store, zero_copy):
     return rows, resume, f"StatefulDataLoader state after batch {mid} (exact)"
 
 
+def without_obstore(_worker=None):
+    """litData's asynchronous downloads (obstore's GCSStore) take no endpoint, so they cannot
+    reach an emulator: turned off (here and in each loader worker, however it was started),
+    litData downloads every chunk with google-cloud-storage."""
+    import litdata.streaming.downloader as downloader
+
+    downloader._OBSTORE_AVAILABLE = False
+
+
+def run_litdata(args, store, workdir):
+    import litdata
+
+    # litData's GCS downloader is google-cloud-storage's client, which talks to an emulator
+    # (anonymously) when this names it; the loader workers inherit it.
+    os.environ["STORAGE_EMULATOR_HOST"] = store.endpoint
+    without_obstore()
+    cache = tempfile.mkdtemp(prefix="litdata-cache-", dir=workdir)  # fresh: epoch 1 is cold
+
+    def loader(epoch):
+        ds = litdata.StreamingDataset(f"gs://{BUCKET}/{LITDATA_PREFIX}", cache_dir=cache, shuffle=True,
+                                      seed=SEED, transform=LitSample(epoch))
+        dl = litdata.StreamingDataLoader(ds, worker_init_fn=without_obstore, **loader_kwargs(args))
+        dl.current_epoch = epoch  # a fresh loader counts epochs from 1: this one is epoch + 1
+        return dl
+
+    rows, state = [], None
+    mid = max(1, args.images // BATCH // 2)
+    for epoch in range(args.epochs):
+        last = epoch == args.epochs - 1
+        row, snap = run_epoch(lambda: loader(epoch), store, snapshot_at=mid if last else None)
+        rows.append(row)
+        state = snap or state
+
+    def resumed():
+        dl = loader(args.epochs - 1)
+        dl.load_state_dict(state)
+        return dl
+
+    resume = first_batch_seconds(resumed) if state is not None else float("nan")
+    return rows, resume, f"StreamingDataLoader state after batch {mid}"
+
+
 # -- main -------------------------------------------------------------------------------------
 
 def main():
@@ -457,7 +548,7 @@ def main():
     ap.add_argument("--rate-mbs", type=float, default=100.0, help="the store's MB/s per connection")
     ap.add_argument("--data", default=str(ROOT / "bench" / "data"), help="where the images are made (kept)")
     ap.add_argument("--shardd", default=str(ROOT / "target" / "release" / "shardd"), help="the daemon binary")
-    ap.add_argument("--only", help="comma-separated configurations to run (A,B,C,D,D-zc,D-pipe)")
+    ap.add_argument("--only", help="comma-separated configurations to run (A,B,C,D,D-zc,D-pipe,E)")
     ap.add_argument("--no-decode", action="store_true",
                     help="copy each image's bytes instead of decoding it: delivery alone (e.g. "
                          "--only C,D-pipe --workers 8: eight processes reading pipe: URLs)")
@@ -467,10 +558,14 @@ def main():
     DECODE[0] = not args.no_decode
     if args.quick:
         args.images, args.per_shard, args.min_px, args.max_px, args.epochs = 256, 64, 200, 250, 1
-    only = set(args.only.split(",")) if args.only else {"A", "B", "C", "D", "D-zc", "D-pipe"}
+    only = set(args.only.split(",")) if args.only else {"A", "B", "C", "D", "D-zc", "D-pipe", "E"}
 
     data = pathlib.Path(args.data) / f"blog-{args.images}-{args.per_shard}-{args.min_px}-{args.max_px}"
     files, tars = generate(data, args.images, args.per_shard, args.min_px, args.max_px)
+    if "E" in only and not make_litdata(data, files, tars):
+        only.discard("E")
+        print("E (litData) skipped: litdata and google-cloud-storage are not installed "
+              "(.venv/bin/pip install --no-deps -r bench/requirements.txt)", flush=True)
     mean_kb = sum(f.stat().st_size for f in files) / len(files) / 1000
     print(f"{args.images} JPEGs of {args.min_px}-{args.max_px} px, mean {mean_kb:.0f} KB, in {len(tars)} shards; "
           f"{args.workers} workers, batches of {BATCH}, {args.epochs} epoch(s); store: "
@@ -510,6 +605,8 @@ def main():
                     report("D-pipe shardd get", run_webdataset(args, urls, store, daemon))
                 finally:
                     daemon.stop()
+            if "E" in only:
+                report("E litData", run_litdata(args, store, tmp))
         finally:
             store.stop()
 
