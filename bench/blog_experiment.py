@@ -39,8 +39,8 @@ Configurations (each run for ``--epochs`` epochs):
           the size of the tars) in the same store, read through its GCS downloader
           (google-cloud-storage, ``STORAGE_EMULATOR_HOST`` = the store) by ``StreamingDataset``
           and ``StreamingDataLoader`` (shuffled, a fresh cache directory: epoch 1 cold). Run
-          when litdata and google-cloud-storage are installed (bench/requirements.txt, not the
-          tests' venv); otherwise skipped with a line that says so.
+          when litdata and google-cloud-storage are installed (bench/requirements.txt, which
+          scripts/test.sh installs); otherwise skipped with a line that says so.
 
 Per configuration and epoch it prints images/s, CPU-seconds per image of all the processes
 that do the work (the trainer, its loader workers and what they spawn - curl, shardd get -

@@ -29,6 +29,9 @@ echo "== python venv"
 pip=(.venv/bin/pip install -q --no-cache-dir --disable-pip-version-check)
 "${pip[@]}" --no-deps -r tests/requirements-torch.txt
 "${pip[@]}" -r tests/requirements.txt -e clients/python
+# The benchmarks' peers (litData, its GCS downloader), without dependencies as that file says:
+# test_bench_smoke runs the write-up's experiment with its configuration E.
+"${pip[@]}" --no-deps -r bench/requirements.txt
 
 echo "== build"
 cargo build --locked --bins

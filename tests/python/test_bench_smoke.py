@@ -1,5 +1,5 @@
 """bench/blog_experiment.py --quick runs (issue 27): the write-up's A/B/C experiment plus
-shardd's configurations, a few hundred small images, one epoch each. A benchmark, so nothing
+shardd's configurations and litData's (E), a few hundred small images, one epoch each. A benchmark, so nothing
 here checks a figure: only that the script finishes and prints a table row per configuration.
 """
 
@@ -10,7 +10,7 @@ import sys
 from conftest import ROOT, SHARDD
 
 CONFIGURATIONS = ["A files", "B local tars", "C store, pipe:curl", "D shardd, socket",
-                  "D shardd, zero copy", "D-pipe shardd get"]
+                  "D shardd, zero copy", "D-pipe shardd get", "E litData"]
 
 
 def test_blog_experiment_quick(tmp_path):

@@ -296,7 +296,8 @@ class Trigger:
         elif self.event == "deleted":
             for f in (d.dir / "cache").rglob("*"):
                 if f.is_file():
-                    f.unlink()
+                    # A download's file may be committed (renamed) or dropped meanwhile.
+                    f.unlink(missing_ok=True)
 
     def check(self):
         # Whatever the event, no stream failed in the daemon: a failure the client's reconnect
