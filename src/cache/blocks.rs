@@ -5,9 +5,9 @@
 //! (Linux 6.x; ext4 since 6.16, XFS since 5.18). Written in 64 KiB pieces (what
 //! `copy_file_range` between ext4 files does) or at unaligned offsets, a shard sits in the
 //! page cache as 16-page folios. Every reader that maps it then pays a page fault per 16
-//! pages, and mapping a fresh 26 MB shard cost 1.9 ms against 0.05 ms for the same bytes
-//! written in 2 MiB blocks (`MADV_POPULATE_READ`, 6.18 guest). That was most of a zero-copy
-//! trainer's system time per sample (docs/benchmarks.md, "Touched bytes"). On a kernel or
+//! pages: mapping a file written in 64 KiB writes cost 65-85 ms per GB, in 2 MiB writes
+//! 0.9-1.2 ms (`bench/cache_blocks.py`, `MADV_POPULATE_READ`, 6.18 guest). That was most
+//! of a zero-copy trainer's system time per sample (docs/benchmarks.md, "Touched bytes"). On a kernel or
 //! file system without large folios the writes are merely larger.
 
 use std::io;

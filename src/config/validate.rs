@@ -305,11 +305,10 @@ fn validate_schedule(
                 )));
             }
         };
-        let here = from;
         match (schedule.last().map(|(f, _)| *f), from) {
             (None, ScheduleFrom::Epoch(0)) | (None, ScheduleFrom::Sample(0)) => {
                 return Err(invalid(format!(
-                    "dataset {name:?}: schedule entries start after the mix's first weights: {here} must be at least 1{}",
+                    "dataset {name:?}: schedule entries start after the mix's first weights: {from} must be at least 1{}",
                     if matches!(from, ScheduleFrom::Sample(_)) {
                         " (at = 0 may come first, in place of mix = { ... })"
                     } else {
@@ -322,14 +321,14 @@ fn validate_schedule(
                 if b <= a =>
             {
                 return Err(invalid(format!(
-                    "dataset {name:?}: schedule entries must increase ({here} after {})",
+                    "dataset {name:?}: schedule entries must increase ({from} after {})",
                     schedule.last().unwrap().0
                 )));
             }
             (Some(ScheduleFrom::Epoch(_)), ScheduleFrom::Sample(_))
             | (Some(ScheduleFrom::Sample(_)), ScheduleFrom::Epoch(_)) => {
                 return Err(invalid(format!(
-                    "dataset {name:?}: a schedule is keyed by epochs or by samples, not both ({here} after {}): which comes first would depend on the job's size",
+                    "dataset {name:?}: a schedule is keyed by epochs or by samples, not both ({from} after {}): which comes first would depend on the job's size",
                     schedule.last().unwrap().0
                 )));
             }
@@ -338,7 +337,7 @@ fn validate_schedule(
         let names: Vec<&String> = entry.mix.keys().collect();
         if names != sources.iter().map(|s| &s.0).collect::<Vec<_>>() {
             return Err(invalid(format!(
-                "dataset {name:?}: schedule entry {here} must weigh the mix's sources, all of them: {}",
+                "dataset {name:?}: schedule entry {from} must weigh the mix's sources, all of them: {}",
                 sources
                     .iter()
                     .map(|s| s.0.as_str())
@@ -349,11 +348,11 @@ fn validate_schedule(
         let w: Vec<u64> = entry.mix.into_values().collect();
         if w.contains(&0) {
             return Err(invalid(format!(
-                "dataset {name:?}: schedule weights must be at least 1 ({here})"
+                "dataset {name:?}: schedule weights must be at least 1 ({from})"
             )));
         }
         weights_fit(&w)
-            .map_err(|e| invalid(format!("dataset {name:?}: schedule entry {here}: {e}")))?;
+            .map_err(|e| invalid(format!("dataset {name:?}: schedule entry {from}: {e}")))?;
         schedule.push((from, w));
     }
     Ok(schedule)
