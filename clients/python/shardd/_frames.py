@@ -14,6 +14,7 @@ import json
 import socket
 import struct
 
+from ._decode import batch, mapped_batch
 from ._errors import ConnectionLostError, DaemonError, ProtocolError
 
 MAGIC = b"SHARDD"
@@ -269,23 +270,7 @@ class FrameReader:
         # Fast path: every piece is small. The whole payload as one bytes object (at least
         # DIRECT_MIN bytes: received straight into it), cut with slices: one copy per piece, and
         # no memoryview object per piece.
-        data = self.take(payload)
-        out = []
-        append = out.append
-        p = i = 0
-        for _ in range(n):
-            head = words[i]
-            q = p + words[i + 1]
-            sample = {"__key__": str(data[p:q], "utf-8"), "__url__": urls[head & 0xFFFF]}
-            i += 2
-            for _ in range(head >> 16):
-                p = q
-                q += words[i + 1]
-                sample[names[words[i]]] = data[p:q]
-                i += 2
-            p = q
-            append(sample)
-        return _text_source(out, names)
+        return _text_source(batch(n, names, urls, words, self.take(payload)), names)
 
     def _read_pieces(self, n, names, urls, words):
         """A batch with large pieces: small ones through the buffer (read in runs that stop at
@@ -329,37 +314,13 @@ class FrameReader:
 
     def _read_mapped_batch(self, length):
         """A MAPPED_BATCH (zero copy): as ``_read_batch``, with mapped fields as memoryview
-        slices of the connection's maps."""
+        slices of the connection's maps (``_decode``)."""
         n, names, urls, words, payload, _ = self._batch_head(length)
         self.fill(payload, payload)
-        mv = self._mv
         p = self._lo
         self._lo += payload
-        maps = self.zero_copy.maps
-        out = []
-        i = 0
-        mapped = 0
-        for _ in range(n):
-            head = words[i]
-            klen = words[i + 1]
-            i += 2
-            sample = {"__key__": str(mv[p : p + klen], "utf-8"), "__url__": urls[head & 0xFFFF]}
-            p += klen
-            for _ in range(head >> 16):
-                name, ln = words[i], words[i + 1]
-                if name >> 31:
-                    mapped += ln
-                    off = words[i + 3] | (words[i + 4] << 32)
-                    try:
-                        sample[names[name & 0x7FFFFFFF]] = maps[words[i + 2]][off : off + ln]
-                    except KeyError:
-                        raise ProtocolError(f"the daemon at {self.path} referred to map "
-                                            f"{words[i + 2]}, which it did not send") from None
-                else:
-                    sample[names[name]] = mv[p : p + ln].tobytes()
-                    p += ln
-                i += 5
-            out.append(sample)
+        out, mapped = mapped_batch(n, names, urls, words, self._mv, p, self.zero_copy.maps,
+                                   self.path)
         # Read-ahead counts what a batch hands out, mapped bytes too: counting its frame (a few
         # bytes per field) let the thread take in, and keep pinned, gigabytes of shards.
         self.batch_bytes = length + mapped

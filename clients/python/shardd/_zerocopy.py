@@ -22,6 +22,8 @@ from ._frames import HEADER, KIND_RELEASE, KIND_UNMAP
 # Room for the descriptors one receive can bring (one per MAP frame; a receive stops after
 # the first message that carries any).
 _ANCILLARY = socket.CMSG_SPACE(16 * 4)
+# As a plain int: ``&`` with the enum member costs a Python call per receive.
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
 
 
 class ZeroCopyUnusable(Exception):
@@ -62,7 +64,7 @@ class ZeroCopy:
                 fds = array.array("i")
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
                 self._fds.extend(fds)
-        if flags & socket.MSG_CTRUNC:
+        if flags & _MSG_CTRUNC:
             # The kernel dropped the descriptor (this process is at its open-file limit): the
             # MAP frame it came with finds None and the stream falls back to the socket path.
             self._fds.append(None)

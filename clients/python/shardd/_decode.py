@@ -1,0 +1,169 @@
+"""Decoding a batch's samples from its descriptor words (proto/PROTOCOL.md "BATCH" and "Zero
+copy"): the per-sample code, where most of a trainer's per-sample time in the client goes.
+
+A sample's words are its head (fields << 16 | URL index) and key length, then per field: in a
+BATCH, its name index and length (the bytes follow the key in the payload); in a
+MAPPED_BATCH, its name index (top bit: mapped), length, map id and offset (low, high word),
+where an unmapped field's bytes follow in the payload as in a BATCH.
+
+Two decoders per layout give the same samples:
+
+- the loop (``_any_batch``, ``_any_mapped``) takes any batch, each sample with its own number
+  of fields;
+- a shaped decoder (``_shaped``) is made for batches whose samples all have the same number of
+  fields, nearly always so (a dataset's samples have the same extensions): its ``for`` unpacks
+  a sample's words into local names in one step, and one dict display makes the sample. That
+  halves the loop's time (docs/benchmarks.md, "The client's decoding").
+
+``batch`` and ``mapped_batch`` take the shaped decoder where it applies, the loop otherwise.
+"""
+
+from ._errors import ProtocolError
+
+# The most fields per sample a shaped decoder is made for (one per number and layout, kept):
+# more is decoded by the loop, so odd batches cannot make the client compile without bound.
+SHAPED_MAX = 16
+
+# Words per sample: the head and key length, then per field.
+_HEAD_WORDS = 2
+_FIELD_WORDS = {"batch": 2, "mapped": 5}
+
+_made = {}
+
+
+def batch(n, names, urls, words, data):
+    """The ``n`` samples of a BATCH whose payload is ``data`` (bytes): fields are bytes."""
+    decoded = _try_shaped("batch", n, words, (words, data, names, urls))
+    return decoded if decoded is not None else _any_batch(n, names, urls, words, data)
+
+
+def mapped_batch(n, names, urls, words, mv, p, maps, path):
+    """The ``n`` samples of a MAPPED_BATCH, and the bytes of their mapped fields: mapped fields
+    are memoryviews of ``maps`` (map id -> memoryview of the mapping), the others bytes from
+    the payload ``mv[p:]``. ``path``: the daemon's socket, for messages."""
+    try:
+        decoded = _try_shaped("mapped", n, words, (words, mv, p, names, urls, maps))
+    except KeyError:
+        decoded = None  # a map the daemon did not send: the loop says which
+    if decoded is not None:
+        return decoded
+    return _any_mapped(n, names, urls, words, mv, p, maps, path)
+
+
+def _try_shaped(layout, n, words, args):
+    """The shaped decoder's result, or None where it does not apply (samples with different
+    numbers of fields, or too many)."""
+    if not n:
+        return None
+    fields = words[0] >> 16
+    if fields > SHAPED_MAX or len(words) != n * (_HEAD_WORDS + _FIELD_WORDS[layout] * fields):
+        return None
+    return _shaped(layout, fields)(*args)
+
+
+def _any_batch(n, names, urls, words, data):
+    """``batch`` for any batch: samples with any number of fields."""
+    out = []
+    append = out.append
+    p = i = 0
+    for _ in range(n):
+        head = words[i]
+        q = p + words[i + 1]
+        sample = {"__key__": str(data[p:q], "utf-8"), "__url__": urls[head & 0xFFFF]}
+        i += 2
+        for _ in range(head >> 16):
+            p = q
+            q += words[i + 1]
+            sample[names[words[i]]] = data[p:q]
+            i += 2
+        p = q
+        append(sample)
+    return out
+
+
+def _any_mapped(n, names, urls, words, mv, p, maps, path):
+    """``mapped_batch`` for any batch: samples with any number of fields."""
+    out = []
+    i = 0
+    mapped = 0
+    for _ in range(n):
+        head = words[i]
+        klen = words[i + 1]
+        i += 2
+        sample = {"__key__": str(mv[p : p + klen], "utf-8"), "__url__": urls[head & 0xFFFF]}
+        p += klen
+        for _ in range(head >> 16):
+            name, ln = words[i], words[i + 1]
+            if name >> 31:
+                mapped += ln
+                off = words[i + 3] | (words[i + 4] << 32)
+                try:
+                    sample[names[name & 0x7FFFFFFF]] = maps[words[i + 2]][off : off + ln]
+                except KeyError:
+                    raise ProtocolError(f"the daemon at {path} referred to map "
+                                        f"{words[i + 2]}, which it did not send") from None
+            else:
+                sample[names[name]] = mv[p : p + ln].tobytes()
+                p += ln
+            i += 5
+        out.append(sample)
+    return out, mapped
+
+
+def _shaped(layout, fields):
+    """The shaped decoder for ``layout`` and ``fields`` fields per sample (made once, then
+    kept). It returns what ``batch`` or ``mapped_batch`` returns, or None at the first sample
+    with another number of fields; a map it was not sent raises KeyError."""
+    decode = _made.get((layout, fields))
+    if decode is None:
+        decode = _made[layout, fields] = _make_shaped(layout, fields)
+    return decode
+
+
+def _make_shaped(layout, fields):
+    """Writes and compiles a shaped decoder: the loop's steps for one sample, with each field's
+    words as locals: n<j> (name index), l<j> (length) and, mapped, m<j> (map id), lo<j> and
+    hi<j> (offset). ``p`` is where the next payload bytes begin."""
+    if layout == "batch":
+        params, result = "words, data, names, urls", "out"
+        targets = [f"n{j}, l{j}" for j in range(fields)]
+        key = "str(data[p:q], 'utf-8')"
+        per_field = [line for j in range(fields)
+                     for line in (f"q = p + l{j}", f"v{j} = data[p:q]", "p = q")]
+        tally = ["p = 0"]
+    else:
+        params, result = "words, mv, p, names, urls, maps", "out, mapped"
+        targets = [f"n{j}, l{j}, m{j}, lo{j}, hi{j}" for j in range(fields)]
+        key = "str(mv[p:q], 'utf-8')"
+        per_field = [line for j in range(fields) for line in (
+            f"if n{j} >> 31:",
+            f"    lo{j} |= hi{j} << 32",
+            f"    v{j} = maps[m{j}][lo{j} : lo{j} + l{j}]",
+            f"    n{j} &= 0x7FFFFFFF",
+            f"    mapped += l{j}",
+            "else:",
+            f"    q = p + l{j}",
+            f"    v{j} = mv[p:q].tobytes()",
+            "    p = q",
+        )]
+        tally = ["mapped = 0"]
+    stride = _HEAD_WORDS + _FIELD_WORDS[layout] * fields
+    entries = "".join(f", names[n{j}]: v{j}" for j in range(fields))
+    lines = [
+        f"def decode({params}):",
+        "    out = []",
+        "    append = out.append",
+        *(f"    {line}" for line in tally),
+        f"    for {', '.join(['head, klen'] + targets)} in zip(*[iter(words)] * {stride}):",
+        f"        if head >> 16 != {fields}:",
+        "            return None",
+        "        q = p + klen",
+        f"        key = {key}",
+        "        p = q",
+        *(f"        {line}" for line in per_field),
+        f"        append({{'__key__': key, '__url__': urls[head & 0xFFFF]{entries}}})",
+        f"    return {result}",
+    ]
+    scope = {}
+    exec(compile("\n".join(lines), f"<shardd: {layout} of {fields} fields>", "exec"), scope)
+    return scope["decode"]

@@ -1,0 +1,155 @@
+"""The client's two batch decoders (shardd/_decode.py) give the same samples: the loop, which
+takes any batch, and the shaped decoders made for batches whose samples all have the same
+number of fields. Batches are encoded here as the daemon lays them out (proto/PROTOCOL.md);
+the end-to-end tests (test_zerocopy.py, test_streams.py) read the daemon's own."""
+
+import random
+
+import pytest
+from shardd import _decode
+from shardd._errors import ProtocolError
+
+NAMES = ["jpg", "cls", "json", "txt"]
+URLS = ["gs://b/a.tar", "gs://b/é.tar"]
+
+
+class Map:
+    """A map's stand-in: slicing it says which range was asked for (offsets past 4 GiB too,
+    which no test could map)."""
+
+    def __init__(self, map_id):
+        self.map_id = map_id
+
+    def __getitem__(self, s):
+        return ("map", self.map_id, s.start, s.stop)
+
+
+def encode(samples, mapped):
+    """(n, words, payload) of a batch of ``samples``: (key, url index, [(name index, value)]),
+    where a value is bytes (in the payload) or, mapped, (map id, offset, length)."""
+    words, payload = [], bytearray()
+    for key, url, fields in samples:
+        k = key.encode()
+        words += [len(fields) << 16 | url, len(k)]
+        payload += k
+        for name, value in fields:
+            if isinstance(value, bytes):
+                words += [name, len(value)] + ([0, 0, 0] if mapped else [])
+                payload += value
+            else:
+                map_id, off, ln = value
+                words += [1 << 31 | name, ln, map_id, off & 0xFFFFFFFF, off >> 32]
+    return len(samples), tuple(words), bytes(payload)
+
+
+def expected(samples, maps):
+    out = []
+    for key, url, fields in samples:
+        s = {"__key__": key, "__url__": URLS[url]}
+        for name, value in fields:
+            s[NAMES[name]] = value if isinstance(value, bytes) else maps[value[0]][
+                slice(value[1], value[1] + value[2])]
+        out.append(s)
+    return out
+
+
+def random_samples(rng, n, fields, mapped):
+    """``n`` samples of ``fields`` fields each (None: 0-3 each), mapped ones among them if
+    ``mapped`` (a field mapped in one sample may be inline in the next, as the daemon sends
+    a piece inline once its maps are used up)."""
+    out = []
+    for i in range(n):
+        f = rng.randrange(4) if fields is None else fields
+        vals = []
+        for name in rng.sample(range(len(NAMES)), f):
+            if mapped and rng.random() < 0.6:
+                vals.append((name, (rng.choice([1, 2]), rng.choice([0, 5 << 32]) + rng.randrange(1 << 20),
+                                    rng.randrange(1, 1 << 16))))
+            else:
+                vals.append((name, rng.randbytes(rng.randrange(0, 40))))
+        out.append((f"sample-{i}-ü" if i % 7 == 0 else f"sample-{i}", rng.randrange(len(URLS)), vals))
+    return out
+
+
+# The loops themselves, for comparisons (``loops_taken`` wraps them in the module).
+ANY_BATCH, ANY_MAPPED = _decode._any_batch, _decode._any_mapped
+
+
+def loops_taken(monkeypatch):
+    """A list that gets an entry each time ``batch`` or ``mapped_batch`` takes the loop."""
+    taken = []
+    for name, loop in (("_any_batch", ANY_BATCH), ("_any_mapped", ANY_MAPPED)):
+        monkeypatch.setattr(_decode, name, lambda *a, loop=loop: taken.append(1) or loop(*a))
+    return taken
+
+
+@pytest.mark.parametrize("fields", [0, 1, 2, 3])
+def test_a_batch_of_one_shape_is_decoded_shaped_and_equals_the_loop(fields, monkeypatch):
+    rng = random.Random(fields)
+    taken = loops_taken(monkeypatch)
+    for _ in range(20):
+        samples = random_samples(rng, rng.randrange(1, 50), fields, mapped=False)
+        n, words, payload = encode(samples, mapped=False)
+        want = expected(samples, {})
+        assert _decode.batch(n, NAMES, URLS, words, payload) == want
+        assert ANY_BATCH(n, NAMES, URLS, words, payload) == want
+    assert not taken, "the shaped decoder takes every batch of one shape"
+
+
+@pytest.mark.parametrize("fields", [0, 1, 2, 3])
+def test_a_mapped_batch_of_one_shape_is_decoded_shaped_and_equals_the_loop(fields, monkeypatch):
+    rng = random.Random(fields)
+    maps = {1: Map(1), 2: Map(2)}
+    taken = loops_taken(monkeypatch)
+    for _ in range(20):
+        samples = random_samples(rng, rng.randrange(1, 50), fields, mapped=True)
+        n, words, payload = encode(samples, mapped=True)
+        prefix = b"x" * rng.randrange(10)  # the payload need not start the buffer
+        mv = memoryview(prefix + payload)
+        want = (expected(samples, maps),
+                sum(v[2] for _, _, fs in samples for _, v in fs if not isinstance(v, bytes)))
+        assert _decode.mapped_batch(n, NAMES, URLS, words, mv, len(prefix), maps, "s") == want
+        assert ANY_MAPPED(n, NAMES, URLS, words, mv, len(prefix), maps, "s") == want
+    assert not taken, "the shaped decoder takes every batch of one shape"
+
+
+def test_samples_with_different_numbers_of_fields_go_to_the_loop(monkeypatch):
+    rng = random.Random(7)
+    maps = {1: Map(1), 2: Map(2)}
+    taken = loops_taken(monkeypatch)
+    # The first samples have one shape and a later one another; samples whose words add up to
+    # as many as three samples of the first one's shape would have (2 + 0 + 4 fields); any.
+    uneven = [random_samples(rng, 9, 2, True) + random_samples(rng, 1, 3, True)
+              + random_samples(rng, 5, 2, True),
+              random_samples(rng, 1, 2, True) + random_samples(rng, 1, 0, True)
+              + random_samples(rng, 1, 4, True),
+              random_samples(rng, 40, None, True)]
+    for samples in uneven:
+        n, words, payload = encode(samples, mapped=True)
+        assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), 0, maps, "s") == (
+            expected(samples, maps), sum(v[2] for _, _, fs in samples for _, v in fs
+                                         if not isinstance(v, bytes)))
+        plain = [(k, u, [(nm, v if isinstance(v, bytes) else b"v") for nm, v in fs])
+                 for k, u, fs in samples]
+        n, words, payload = encode(plain, mapped=False)
+        assert _decode.batch(n, NAMES, URLS, words, payload) == expected(plain, {})
+    assert len(taken) == 6, "the loop takes every batch of uneven samples"
+
+
+def test_a_map_the_daemon_did_not_send_is_named_by_either_decoder():
+    samples = [("a", 0, [(0, (1, 0, 10))]), ("b", 0, [(0, (9, 0, 10))])]
+    n, words, payload = encode(samples, mapped=True)
+    for decode in (_decode.mapped_batch, ANY_MAPPED):
+        with pytest.raises(ProtocolError, match="the daemon at s referred to map 9, which it did "
+                                                "not send"):
+            decode(n, NAMES, URLS, words, memoryview(payload), 0, {1: Map(1)}, "s")
+
+
+def test_more_fields_than_shaped_decoders_are_made_for_go_to_the_loop(monkeypatch):
+    fields = _decode.SHAPED_MAX + 1
+    samples = [(f"k{i}", 0, [(j % len(NAMES), bytes([j])) for j in range(fields)])
+               for i in range(3)]
+    taken = loops_taken(monkeypatch)
+    n, words, payload = encode(samples, mapped=False)
+    assert _decode.batch(n, NAMES, URLS, words, payload) == expected(samples, {})
+    assert len(taken) == 1
