@@ -104,12 +104,13 @@ def test_a_mapped_batch_of_one_shape_is_decoded_shaped_and_equals_the_loop(field
     for _ in range(20):
         samples = random_samples(rng, rng.randrange(1, 50), fields, mapped=True)
         n, words, payload = encode(samples, mapped=True)
-        prefix = b"x" * rng.randrange(10)  # the payload need not start the buffer
-        mv = memoryview(prefix + payload)
+        # The payload is a slice of the connection's buffer.
+        prefix = b"x" * rng.randrange(10)
+        mv = memoryview(prefix + payload + b"y")[len(prefix) : len(prefix) + len(payload)]
         want = (expected(samples, maps),
                 sum(v[2] for _, _, fs in samples for _, v in fs if not isinstance(v, bytes)))
-        assert _decode.mapped_batch(n, NAMES, URLS, words, mv, len(prefix), maps, "s") == want
-        assert ANY_MAPPED(n, NAMES, URLS, words, mv, len(prefix), maps, "s") == want
+        assert _decode.mapped_batch(n, NAMES, URLS, words, mv, maps, "s") == want
+        assert ANY_MAPPED(n, NAMES, URLS, words, mv, maps, "s") == want
     assert not taken, "the shaped decoder takes every batch of one shape"
 
 
@@ -126,7 +127,7 @@ def test_samples_with_different_numbers_of_fields_go_to_the_loop(monkeypatch):
               random_samples(rng, 40, None, True)]
     for samples in uneven:
         n, words, payload = encode(samples, mapped=True)
-        assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), 0, maps, "s") == (
+        assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), maps, "s") == (
             expected(samples, maps), sum(v[2] for _, _, fs in samples for _, v in fs
                                          if not isinstance(v, bytes)))
         plain = [(k, u, [(nm, v if isinstance(v, bytes) else b"v") for nm, v in fs])
@@ -142,7 +143,7 @@ def test_a_map_the_daemon_did_not_send_is_named_by_either_decoder():
     for decode in (_decode.mapped_batch, ANY_MAPPED):
         with pytest.raises(ProtocolError, match="the daemon at s referred to map 9, which it did "
                                                 "not send"):
-            decode(n, NAMES, URLS, words, memoryview(payload), 0, {1: Map(1)}, "s")
+            decode(n, NAMES, URLS, words, memoryview(payload), {1: Map(1)}, "s")
 
 
 def test_more_fields_than_shaped_decoders_are_made_for_go_to_the_loop(monkeypatch):

@@ -37,17 +37,18 @@ def batch(n, names, urls, words, data):
     return decoded if decoded is not None else _any_batch(n, names, urls, words, data)
 
 
-def mapped_batch(n, names, urls, words, mv, p, maps, path):
+def mapped_batch(n, names, urls, words, payload, maps, path):
     """The ``n`` samples of a MAPPED_BATCH, and the bytes of their mapped fields: mapped fields
     are memoryviews of ``maps`` (map id -> memoryview of the mapping), the others bytes from
-    the payload ``mv[p:]``. ``path``: the daemon's socket, for messages."""
+    ``payload`` (a memoryview of the batch's keys and unmapped fields). ``path``: the daemon's
+    socket, for messages."""
     try:
-        decoded = _try_shaped("mapped", n, words, (words, mv, p, names, urls, maps))
+        decoded = _try_shaped("mapped", n, words, (words, payload, names, urls, maps))
     except KeyError:
         decoded = None  # a map the daemon did not send: the loop says which
     if decoded is not None:
         return decoded
-    return _any_mapped(n, names, urls, words, mv, p, maps, path)
+    return _any_mapped(n, names, urls, words, payload, maps, path)
 
 
 def _try_shaped(layout, n, words, args):
@@ -81,10 +82,10 @@ def _any_batch(n, names, urls, words, data):
     return out
 
 
-def _any_mapped(n, names, urls, words, mv, p, maps, path):
+def _any_mapped(n, names, urls, words, mv, maps, path):
     """``mapped_batch`` for any batch: samples with any number of fields."""
     out = []
-    i = 0
+    p = i = 0
     mapped = 0
     for _ in range(n):
         head = words[i]
@@ -123,42 +124,47 @@ def _shaped(layout, fields):
 def _make_shaped(layout, fields):
     """Writes and compiles a shaped decoder: the loop's steps for one sample, with each field's
     words as locals: n<j> (name index), l<j> (length) and, mapped, m<j> (map id), lo<j> and
-    hi<j> (offset). ``p`` is where the next payload bytes begin."""
+    hi<j> (offset). ``p`` is where the next payload bytes begin. Slices of a bytes object and
+    ``bytes.decode`` are the cheapest way to each piece (a memoryview slice is an object
+    more)."""
     if layout == "batch":
         params, result = "words, data, names, urls", "out"
         targets = [f"n{j}, l{j}" for j in range(fields)]
-        key = "str(data[p:q], 'utf-8')"
+        prologue = []
         per_field = [line for j in range(fields)
                      for line in (f"q = p + l{j}", f"v{j} = data[p:q]", "p = q")]
-        tally = ["p = 0"]
     else:
-        params, result = "words, mv, p, names, urls, maps", "out, mapped"
+        params, result = "words, payload, names, urls, maps", "out, mapped"
         targets = [f"n{j}, l{j}, m{j}, lo{j}, hi{j}" for j in range(fields)]
-        key = "str(mv[p:q], 'utf-8')"
+        prologue = [
+            "data = payload.tobytes()",
+            "mapped = 0",
+            # A mapped field's name word has the top bit set: both words name the field.
+            "names = {**dict(enumerate(names)), **{i | 0x80000000: s for i, s in enumerate(names)}}",
+        ]
         per_field = [line for j in range(fields) for line in (
             f"if n{j} >> 31:",
             f"    lo{j} |= hi{j} << 32",
             f"    v{j} = maps[m{j}][lo{j} : lo{j} + l{j}]",
-            f"    n{j} &= 0x7FFFFFFF",
             f"    mapped += l{j}",
             "else:",
             f"    q = p + l{j}",
-            f"    v{j} = mv[p:q].tobytes()",
+            f"    v{j} = data[p:q]",
             "    p = q",
         )]
-        tally = ["mapped = 0"]
     stride = _HEAD_WORDS + _FIELD_WORDS[layout] * fields
     entries = "".join(f", names[n{j}]: v{j}" for j in range(fields))
     lines = [
         f"def decode({params}):",
+        *(f"    {line}" for line in prologue),
         "    out = []",
         "    append = out.append",
-        *(f"    {line}" for line in tally),
+        "    p = 0",
         f"    for {', '.join(['head, klen'] + targets)} in zip(*[iter(words)] * {stride}):",
         f"        if head >> 16 != {fields}:",
         "            return None",
         "        q = p + klen",
-        f"        key = {key}",
+        "        key = data[p:q].decode()",
         "        p = q",
         *(f"        {line}" for line in per_field),
         f"        append({{'__key__': key, '__url__': urls[head & 0xFFFF]{entries}}})",

@@ -319,8 +319,8 @@ class FrameReader:
         self.fill(payload, payload)
         p = self._lo
         self._lo += payload
-        out, mapped = mapped_batch(n, names, urls, words, self._mv, p, self.zero_copy.maps,
-                                   self.path)
+        out, mapped = mapped_batch(n, names, urls, words, self._mv[p : p + payload],
+                                   self.zero_copy.maps, self.path)
         # Read-ahead counts what a batch hands out, mapped bytes too: counting its frame (a few
         # bytes per field) let the thread take in, and keep pinned, gigabytes of shards.
         self.batch_bytes = length + mapped
