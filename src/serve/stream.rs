@@ -107,6 +107,17 @@ pub struct Job<'a> {
     pub zero_copy: Option<&'a crate::serve::mapped::Maps>,
 }
 
+impl Job<'_> {
+    /// The payload a frame is cut at: a zero-copy frame carries its mapped fields' words, not
+    /// their bytes, so it takes more samples.
+    fn batch_target(&self) -> usize {
+        match self.zero_copy {
+            None => protocol::BATCH_TARGET_BYTES,
+            Some(_) => protocol::MAPPED_BATCH_TARGET_BYTES,
+        }
+    }
+}
+
 /// The field naming a mixed stream's source, in every sample of a mix.
 static SOURCE: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("__source__"));
 
@@ -224,7 +235,7 @@ async fn serve_from(
         let (parts, sent) = match job.zero_copy {
             None => protocol::encode_batch(&mut out.samples).map_err(StreamError::Encode)?,
             Some(maps) => {
-                let batch = protocol::take_batch(&mut out.samples);
+                let batch = protocol::take_batch(&mut out.samples, job.batch_target());
                 let parts = maps
                     .encode(&ctx.cache, &batch, || live_urls(&lanes, &out.samples))
                     .map_err(StreamError::Encode)?;
@@ -299,9 +310,7 @@ impl Outbox {
         lanes: &mut [LaneReader<'a>],
         job: &Job<'a>,
     ) -> Result<(), StreamError> {
-        while self.samples.len() < protocol::BATCH_MAX_SAMPLES
-            && self.bytes < protocol::BATCH_TARGET_BYTES
-        {
+        while self.samples.len() < protocol::BATCH_MAX_SAMPLES && self.bytes < job.batch_target() {
             let i = match (self.cursor.as_mut(), self.pending) {
                 (None, _) => 0,
                 (Some(_), Some(i)) => i,

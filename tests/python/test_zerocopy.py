@@ -90,6 +90,34 @@ def test_same_samples_as_the_socket_path_and_webdataset(daemon, data, train_path
         assert got == want
 
 
+def batches(socket_path, dataset, zero_copy):
+    """One epoch's samples as the frames they came in (``rest_of_batch``)."""
+    with shardd.Client(socket_path, zero_copy=zero_copy, readahead=0) as c:
+        stream = c.stream(dataset, epoch=0, rank=0, world_size=1)
+        out = []
+        for first in stream:
+            out.append([first] + stream.rest_of_batch())
+        return out
+
+
+def test_a_zero_copy_frame_takes_up_to_4_mib_of_samples_a_socket_frame_1_mib(make_daemon, data,
+                                                                            train_paths):
+    """A MAPPED_BATCH carries a few words per mapped field, so the daemon cuts it at 4 MiB of
+    payload: 100 KB samples were 10 to a frame, each frame a receive and a decode. (Frames
+    also end where the next sample's shuffle window is not loaded yet.)"""
+    daemon = make_daemon(config(data, train_paths, shuffle_buffer=SHARDS * PER_SHARD))
+
+    def payload(batch):
+        return sum(len(s["__key__"].encode()) + sum(len(v) for k, v in s.items()
+                                                    if not k.startswith("__")) for s in batch)
+
+    plain, mapped = batches(daemon.socket, "z", False), batches(daemon.socket, "z", True)
+    assert [s["__key__"] for b in mapped for s in b] == [s["__key__"] for b in plain for s in b]
+    assert max(payload(b) for b in plain) <= 1 << 20
+    assert 1 << 20 < max(payload(b) for b in mapped) <= 4 << 20
+    assert len(mapped) < len(plain)
+
+
 @pytest.fixture
 def held_open(make_daemon, data, train_paths):
     """A daemon whose zero-copy streams cannot run ahead to their end: with 2 maps, a reader
