@@ -342,14 +342,17 @@ class CuttingProxy:
     ``cuts`` responses for object paths containing ``match`` in half and then drops the
     connection: the fault (a download cut mid-body) that the real server never makes.
     With ``rate`` (bytes/s) it also sends every response at that pace, so downloads are
-    still in flight when a test acts."""
+    still in flight when a test acts. With ``hold_after`` it answers that many GETs of paths
+    containing ``match``, and holds the later ones until ``release`` is set: a store whose
+    next object comes when the test says."""
 
-    def __init__(self, upstream_port, match="", cuts=0, rate=None):
+    def __init__(self, upstream_port, match="", cuts=0, rate=None, hold_after=None):
         import socketserver
         import threading
 
         self.match, self.cuts_left = match.encode(), cuts
-        rate = rate
+        self.release = threading.Event()
+        self.gets_left = hold_after
         self.lock = threading.Lock()
         proxy = self
 
@@ -372,10 +375,14 @@ class CuttingProxy:
                         response += chunk
                 target = urllib.parse.unquote_to_bytes(lines[0])  # object_store escapes '/' and '-'
                 with proxy.lock:
-                    cut = (
-                        proxy.cuts_left > 0 and proxy.match in target and target.startswith(b"GET")
-                    )
+                    get = proxy.match in target and target.startswith(b"GET")
+                    cut = proxy.cuts_left > 0 and get
                     proxy.cuts_left -= cut
+                    hold = get and proxy.gets_left is not None and proxy.gets_left <= 0
+                    if get and proxy.gets_left is not None:
+                        proxy.gets_left -= 1
+                if hold:
+                    proxy.release.wait()
                 if cut:
                     end = response.index(b"\r\n\r\n") + 4
                     response = response[: end + (len(response) - end) // 2]
@@ -403,13 +410,15 @@ def cutting_proxy(fake_gcs):
     loopback endpoint: ``upstream``)."""
     proxies = []
 
-    def make(match="", cuts=0, rate=None, upstream=None):
-        p = CuttingProxy(int((upstream or fake_gcs).rsplit(":", 1)[1]), match, cuts, rate)
+    def make(match="", cuts=0, rate=None, upstream=None, hold_after=None):
+        p = CuttingProxy(int((upstream or fake_gcs).rsplit(":", 1)[1]), match, cuts, rate,
+                         hold_after)
         proxies.append(p)
         return p
 
     yield make
     for p in proxies:
+        p.release.set()
         p.close()
 
 

@@ -349,14 +349,19 @@ def test_a_zero_copy_stream_whose_reads_do_not_wait_keeps_them_on_the_callers_th
 
 def test_a_zero_copy_stream_whose_reads_wait_for_the_daemon_gets_the_thread(
         make_daemon, cutting_proxy):
-    """The other side: a cold daemon behind a slow store (one download at a time, ~0.2 s per
-    8 MB shard), so the stream's second read waits for a download; a caller that then works
-    as long as that read took gets the thread from its next batch, as on the socket path."""
-    slow = cutting_proxy(rate=40 << 20)
+    """The other side: a cold daemon whose store holds the second shard for a second, so the
+    stream's second read waits for the daemon; a caller that then works as long as that read
+    took gets the thread from its next batch, as on the socket path. (A store paced at ~0.2 s
+    a shard was not enough: a debug daemon on a busy machine could still be committing the
+    first shard when the second was in, and the second read did not wait.)"""
+    slow = cutting_proxy(match="/big/", hold_after=1)
     d = make_daemon(gcs_config(slow.endpoint, extra="[store]\nmax_downloads = 1\n"))
+    opens = threading.Timer(1.0, slow.release.set)  # the store's slowness, not a wait on the test
     with Client(d.socket, zero_copy=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
-        got = [next(s)["__key__"], next(s)["__key__"]]
+        got = [next(s)["__key__"]]
+        opens.start()
+        got.append(next(s)["__key__"])
         assert s._frames.zero_copy is not None and s._thread is None
         assert s._took < float("inf")  # the read waited: a thread can overlap that
         time.sleep(s._took)  # the trainer's work on the batch
