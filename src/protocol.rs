@@ -27,9 +27,10 @@ pub const MAX_CLIENT_FRAME: u32 = 64 * 1024;
 
 /// Batches are cut at about this much payload...
 pub const BATCH_TARGET_BYTES: usize = 1 << 20;
-/// ...a MAPPED_BATCH at this much, its mapped fields counted: its frame carries 5 words per
-/// mapped field, not the bytes, so a batch of 100 KB samples was 10 samples sharing the
-/// client's cost of a frame (receives, tables, the unpack; 6 µs a sample in Python).
+/// ...a MAPPED_BATCH at this much, its mapped fields counted (its small pieces still at
+/// `BATCH_TARGET_BYTES`): its frame carries 5 words per mapped field, not the bytes, and at
+/// 1 MiB a frame of 100 KB samples was 10 samples sharing the client's cost of a frame
+/// (receives, tables, the unpack; 4-5 µs a sample in Python).
 pub const MAPPED_BATCH_TARGET_BYTES: usize = 4 << 20;
 /// ...or this many samples, whichever comes first.
 pub const BATCH_MAX_SAMPLES: usize = 4096;
@@ -300,26 +301,32 @@ impl Part {
 }
 
 /// Takes samples from the front of `samples` for one batch (at least one): about `target`
-/// bytes of payload ([`BATCH_TARGET_BYTES`], [`MAPPED_BATCH_TARGET_BYTES`]), within the
-/// iovec and sample limits. A function of the samples alone, so a batch cut by a park is cut
-/// the same again.
+/// bytes of payload ([`BATCH_TARGET_BYTES`], [`MAPPED_BATCH_TARGET_BYTES`]) and at most
+/// `BATCH_TARGET_BYTES` of small pieces (the key, fields up to `INLINE_MAX`: copied into
+/// the frame whatever the delivery), within the iovec and sample limits. A function of the
+/// samples alone, so a batch cut by a park is cut the same again.
 pub fn take_batch(samples: &mut std::collections::VecDeque<Sample>, target: usize) -> Vec<Sample> {
     let mut batch = Vec::new();
-    let (mut payload, mut parts) = (0usize, 1usize);
+    let (mut payload, mut small, mut parts) = (0usize, 0usize, 1usize);
     while let Some(s) = samples.front() {
-        let big = s
-            .fields
-            .iter()
-            .filter(|(_, d)| d.len() > INLINE_MAX)
-            .count();
+        let (mut big, mut s_small) = (0, s.key.bytes().len());
+        for (_, d) in &s.fields {
+            if d.len() > INLINE_MAX {
+                big += 1;
+            } else {
+                s_small += d.len();
+            }
+        }
         if !batch.is_empty()
             && (payload + s.payload_len() > target
+                || small + s_small > BATCH_TARGET_BYTES
                 || parts + 2 * big + 1 > MAX_PARTS
                 || batch.len() >= BATCH_MAX_SAMPLES)
         {
             break;
         }
         payload += s.payload_len();
+        small += s_small;
         parts += 2 * big + 1;
         batch.push(samples.pop_front().unwrap());
     }
@@ -598,11 +605,17 @@ mod tests {
             .collect();
         let (_, first) = encode_batch(&mut q).unwrap();
         assert_eq!(first.len(), BATCH_TARGET_BYTES / 100_003);
-        // A zero-copy frame takes 4× the samples: its mapped fields are a few words each.
+        // A zero-copy frame takes 4× the samples: its mapped fields are a few words each...
         assert_eq!(
             take_batch(&mut q, MAPPED_BATCH_TARGET_BYTES).len(),
             MAPPED_BATCH_TARGET_BYTES / 100_003
         );
+        // ...but no more small pieces, which are copied into it all the same.
+        let mut q: VecDeque<Sample> = (0..1000)
+            .map(|i| sample(&format!("k{i:03}"), &u, &[("txt", INLINE_MAX)]))
+            .collect();
+        let small = take_batch(&mut q, MAPPED_BATCH_TARGET_BYTES).len();
+        assert_eq!(small, BATCH_TARGET_BYTES / (INLINE_MAX + 4));
         // One sample bigger than the target still travels, alone.
         let mut q: VecDeque<Sample> = (0..2)
             .map(|i| sample(&format!("k{i}"), &u, &[("bin", 3 << 20)]))

@@ -3,6 +3,7 @@ takes any batch, and the shaped decoders made for batches whose samples all have
 number of fields. Batches are encoded here as the daemon lays them out (proto/PROTOCOL.md);
 the end-to-end tests (test_zerocopy.py, test_streams.py) read the daemon's own."""
 
+import functools
 import random
 
 import pytest
@@ -109,7 +110,7 @@ def test_a_mapped_batch_of_one_shape_is_decoded_shaped_and_equals_the_loop(field
         mv = memoryview(prefix + payload + b"y")[len(prefix) : len(prefix) + len(payload)]
         want = (expected(samples, maps),
                 sum(v[2] for _, _, fs in samples for _, v in fs if not isinstance(v, bytes)))
-        assert _decode.mapped_batch(n, NAMES, URLS, words, mv, maps, "s") == want
+        assert _decode.mapped_batch(n, NAMES, URLS, words, mv, 40, maps, "s") == want
         assert ANY_MAPPED(n, NAMES, URLS, words, mv, maps, "s") == want
     assert not taken, "the shaped decoder takes every batch of one shape"
 
@@ -127,7 +128,7 @@ def test_samples_with_different_numbers_of_fields_go_to_the_loop(monkeypatch):
               random_samples(rng, 40, None, True)]
     for samples in uneven:
         n, words, payload = encode(samples, mapped=True)
-        assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), maps, "s") == (
+        assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), 40, maps, "s") == (
             expected(samples, maps), sum(v[2] for _, _, fs in samples for _, v in fs
                                          if not isinstance(v, bytes)))
         plain = [(k, u, [(nm, v if isinstance(v, bytes) else b"v") for nm, v in fs])
@@ -140,10 +141,27 @@ def test_samples_with_different_numbers_of_fields_go_to_the_loop(monkeypatch):
 def test_a_map_the_daemon_did_not_send_is_named_by_either_decoder():
     samples = [("a", 0, [(0, (1, 0, 10))]), ("b", 0, [(0, (9, 0, 10))])]
     n, words, payload = encode(samples, mapped=True)
-    for decode in (_decode.mapped_batch, ANY_MAPPED):
+    for decode in (functools.partial(_decode.mapped_batch, max_piece=1), ANY_MAPPED):
         with pytest.raises(ProtocolError, match="the daemon at s referred to map 9, which it did "
                                                 "not send"):
-            decode(n, NAMES, URLS, words, memoryview(payload), {1: Map(1)}, "s")
+            decode(n, NAMES, URLS, words, memoryview(payload), maps={1: Map(1)}, path="s")
+
+
+def test_a_mapped_batch_with_large_inline_pieces_goes_to_the_loop(monkeypatch):
+    """A piece the daemon could not map comes inline: the loop copies it once, where the
+    shaped decoder would copy the payload and then the piece."""
+    samples = [(f"k{i}", 0, [(0, bytes(5000) if i % 2 else (1, 0, 10))]) for i in range(4)]
+    n, words, payload = encode(samples, mapped=True)
+    taken = loops_taken(monkeypatch)
+    maps = {1: Map(1)}
+    assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), 5000, maps, "s") == (
+        expected(samples, maps), 20)
+    assert len(taken) == 1
+
+
+def test_empty_batches():
+    assert _decode.batch(0, NAMES, URLS, (), b"") == []
+    assert _decode.mapped_batch(0, NAMES, URLS, (), memoryview(b""), 0, {}, "s") == ([], 0)
 
 
 def test_more_fields_than_shaped_decoders_are_made_for_go_to_the_loop(monkeypatch):

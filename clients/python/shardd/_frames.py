@@ -1,6 +1,6 @@
 """The wire format (proto/PROTOCOL.md) and its decoding: one connection's bytes cut into frames,
-and BATCH frames into samples. Knows nothing of streams, positions or reconnects, so the
-per-sample code is in one place.
+and BATCH frames into samples (their descriptor words into samples: ``_decode``). Knows nothing
+of streams, positions or reconnects, so the per-sample code stays with the frames.
 
 Speed matters here: the trainer's Python process is where every sample ends up. A whole
 batch's descriptors are decoded with a single ``struct.unpack_from``; a batch of small pieces
@@ -315,11 +315,11 @@ class FrameReader:
     def _read_mapped_batch(self, length):
         """A MAPPED_BATCH (zero copy): as ``_read_batch``, with mapped fields as memoryview
         slices of the connection's maps (``_decode``)."""
-        n, names, urls, words, payload, _ = self._batch_head(length)
+        n, names, urls, words, payload, max_piece = self._batch_head(length)
         self.fill(payload, payload)
         p = self._lo
         self._lo += payload
-        out, mapped = mapped_batch(n, names, urls, words, self._mv[p : p + payload],
+        out, mapped = mapped_batch(n, names, urls, words, self._mv[p : p + payload], max_piece,
                                    self.zero_copy.maps, self.path)
         # Read-ahead counts what a batch hands out, mapped bytes too: counting its frame (a few
         # bytes per field) let the thread take in, and keep pinned, gigabytes of shards.
