@@ -342,17 +342,16 @@ class CuttingProxy:
     ``cuts`` responses for object paths containing ``match`` in half and then drops the
     connection: the fault (a download cut mid-body) that the real server never makes.
     With ``rate`` (bytes/s) it also sends every response at that pace, so downloads are
-    still in flight when a test acts. With ``hold_after`` it answers that many GETs of paths
-    containing ``match``, and holds the later ones until ``release`` is set: a store whose
-    next object comes when the test says."""
+    still in flight when a test acts. With ``hold`` (a function of the request line) it holds
+    the GETs it is true of until ``release`` is set: a store whose next objects come when the
+    test says."""
 
-    def __init__(self, upstream_port, match="", cuts=0, rate=None, hold_after=None):
+    def __init__(self, upstream_port, match="", cuts=0, rate=None, hold=None):
         import socketserver
         import threading
 
         self.match, self.cuts_left = match.encode(), cuts
         self.release = threading.Event()
-        self.gets_left = hold_after
         self.lock = threading.Lock()
         proxy = self
 
@@ -375,13 +374,12 @@ class CuttingProxy:
                         response += chunk
                 target = urllib.parse.unquote_to_bytes(lines[0])  # object_store escapes '/' and '-'
                 with proxy.lock:
-                    get = proxy.match in target and target.startswith(b"GET")
-                    cut = proxy.cuts_left > 0 and get
+                    cut = (
+                        proxy.cuts_left > 0 and proxy.match in target and target.startswith(b"GET")
+                    )
                     proxy.cuts_left -= cut
-                    hold = get and proxy.gets_left is not None and proxy.gets_left <= 0
-                    if get and proxy.gets_left is not None:
-                        proxy.gets_left -= 1
-                if hold:  # a test that never releases fails on its own, not hangs here
+                if hold is not None and target.startswith(b"GET") and hold(target):
+                    # A test that never releases fails on its own, not hangs here.
                     proxy.release.wait(DEADLINE)
                 if cut:
                     end = response.index(b"\r\n\r\n") + 4
@@ -410,9 +408,8 @@ def cutting_proxy(fake_gcs):
     loopback endpoint: ``upstream``)."""
     proxies = []
 
-    def make(match="", cuts=0, rate=None, upstream=None, hold_after=None):
-        p = CuttingProxy(int((upstream or fake_gcs).rsplit(":", 1)[1]), match, cuts, rate,
-                         hold_after)
+    def make(match="", cuts=0, rate=None, upstream=None, hold=None):
+        p = CuttingProxy(int((upstream or fake_gcs).rsplit(":", 1)[1]), match, cuts, rate, hold)
         proxies.append(p)
         return p
 

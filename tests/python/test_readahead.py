@@ -348,14 +348,22 @@ def test_a_zero_copy_stream_whose_reads_do_not_wait_keeps_them_on_the_callers_th
 
 
 def test_a_zero_copy_stream_whose_reads_wait_for_the_daemon_gets_the_thread(
-        make_daemon, cutting_proxy):
-    """The other side: a cold daemon whose store holds the second shard for a second, so the
-    stream's second read waits for the daemon; a caller that then works as long as that read
-    took gets the thread from its next batch, as on the socket path. (A store paced at ~0.2 s
-    a shard was not enough: a debug daemon on a busy machine could still be committing the
-    first shard when the second was in, and the second read did not wait.)"""
-    slow = cutting_proxy(match="/big/", hold_after=1)
-    d = make_daemon(gcs_config(slow.endpoint, extra="[store]\nmax_downloads = 1\n"))
+        make_daemon, cutting_proxy, fake_gcs):
+    """The other side: a cold daemon whose store holds every shard but the stream's first for a
+    second, so the stream's second read waits for the daemon; a caller that then works as long
+    as that read took gets the thread from its next batch, as on the socket path. (A store
+    paced at ~0.2 s a shard was not enough: a debug daemon on a busy machine could still be
+    committing the first shard when the second was in, and the second read did not wait; nor
+    one that answered one GET and held the rest: the daemon sometimes asks for the stream's
+    second shard first.)"""
+    # The stream's first shard: the same plan on another daemon (one sample read).
+    with shardd.Client(make_daemon(gcs_config(fake_gcs), name="plan").socket) as c:
+        first = next(iter(c.stream("big", epoch=0, rank=0, world_size=1)))["__url__"]
+    first = first.split("://", 1)[1].split("/", 1)[1].encode()  # big/big-N.tar
+    slow = cutting_proxy(hold=lambda target: b"/big/" in target and first not in target)
+    # A download slot for every shard: the daemon may ask for the second before the first,
+    # and a held download must not keep the first waiting.
+    d = make_daemon(gcs_config(slow.endpoint, extra=f"[store]\nmax_downloads = {BIG_SHARDS}\n"))
     opens = threading.Timer(1.0, slow.release.set)  # the store's slowness, not a wait on the test
     with Client(d.socket, zero_copy=True) as c:
         s = c.stream("big", epoch=0, rank=0, world_size=1)
