@@ -13,12 +13,17 @@ its consumer (``count``: ``len()`` of each field, or with --touch a copy of ever
     # two daemon builds:
     .venv/bin/python bench/ab.py --size 100k --zero-copy --touch \\
         --shardd before=/tmp/shardd-before --shardd after=target/release/shardd
+    # the client's two decoders (SHARDD_DECODER: "python", or the compiled one's path):
+    .venv/bin/python bench/ab.py --size 10k --zero-copy --touch --decoder python=python \\
+        --decoder compiled=$(ls -t target/release/build/shardd-*/out/libshardd_decode.so | head -1)
 
 Prints, per variant, microseconds per sample (wall: best and median of the rounds) and the
 client's CPU microseconds per sample (``time.process_time``).
 """
 
 import argparse
+import itertools
+import os
 import pathlib
 import subprocess
 import sys
@@ -61,6 +66,8 @@ def main():
     ap.add_argument("--epochs", type=int, default=3, help="epochs per round (best kept)")
     ap.add_argument("--client", action="append", metavar="NAME=DIR", help="a client's source dir")
     ap.add_argument("--shardd", action="append", metavar="NAME=BINARY", help="a daemon build")
+    ap.add_argument("--decoder", action="append", metavar="NAME=SHARDD_DECODER",
+                    help="the client's decoder: python, or the compiled one's path")
     args = ap.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -73,6 +80,7 @@ def main():
     clients = {k: str(pathlib.Path(v).resolve())
                for k, v in variants(args.client, ROOT / "clients" / "python").items()}
     binaries = variants(args.shardd, str(ROOT / "target" / "release" / "shardd"))
+    decoders = variants(args.decoder, os.environ.get("SHARDD_DECODER", ""))
     with tempfile.TemporaryDirectory() as tmp:
         daemons = {}
         try:
@@ -80,27 +88,29 @@ def main():
                 d = pathlib.Path(tmp, name or "daemon")
                 d.mkdir()
                 daemons[name] = bench.start_daemon(str(d), {"d": paths}, binary=binary)
-            runs = {(c, b): [] for c in clients for b in binaries}
+            runs = {v: [] for v in itertools.product(clients, binaries, decoders)}
             for i in range(args.rounds):
                 # Each round in the other order: what runs first may find the machine otherwise.
-                for c, b in list(runs)[:: 1 if i % 2 == 0 else -1]:
+                for c, b, d in list(runs)[:: 1 if i % 2 == 0 else -1]:
                     run = subprocess.run(
                         [sys.executable, "-c", ROUND, clients[c], str(HERE), daemons[b][1],
                          str(int(args.zero_copy)), str(int(args.touch)), str(args.epochs)],
-                        capture_output=True, text=True)
+                        capture_output=True, text=True,
+                        env={**os.environ, "SHARDD_DECODER": decoders[d]})
                     if run.returncode:
-                        sys.exit(f"the round of {c or '-'} {b or '-'} failed:\n{run.stderr}")
-                    runs[c, b].append(tuple(map(float, run.stdout.split())))
+                        sys.exit(f"the round of {c or '-'} {b or '-'} {d or '-'} failed:\n"
+                                 f"{run.stderr}")
+                    runs[c, b, d].append(tuple(map(float, run.stdout.split())))
         finally:
             for proc, _ in daemons.values():
                 proc.kill()
                 proc.wait()
     how = f"{args.size}, {'zero copy' if args.zero_copy else 'socket'}, {'touched' if args.touch else 'len()'}"
     print(f"{how}: {args.rounds} rounds of {args.epochs} epochs, µs per sample")
-    for (c, b), rounds in runs.items():
+    for (c, b, d), rounds in runs.items():
         wall = sorted(r[0] for r in rounds)
         cpu = sorted(r[1] for r in rounds)
-        label = " ".join(x for x in (c, b) if x) or "-"
+        label = " ".join(x for x in (c, b, d) if x) or "-"
         print(f"  {label:24s} wall best {wall[0]:7.2f} median {wall[len(wall) // 2]:7.2f} "
               f"({1e3 / wall[0]:7.1f} k/s)   client CPU best {cpu[0]:7.2f} median "
               f"{cpu[len(cpu) // 2]:7.2f}")

@@ -25,6 +25,22 @@ SHARDD = os.environ.get("SHARDD_BIN", str(ROOT / "target" / "debug" / "shardd"))
 TESTDATA = ROOT / "tests" / "data" / "webdataset"
 DEADLINE = 30.0
 
+
+def compiled_decoder():
+    """The client's compiled decoder (clients/python/native/decode.rs) as `cargo build` made
+    it (build.rs, into the newest build's OUT_DIR): what the wheel carries."""
+    built = sorted((ROOT / "target").glob("*/build/shardd-*/out/libshardd_decode.so"),
+                   key=lambda p: p.stat().st_mtime)
+    if not built:
+        pytest.exit("no libshardd_decode.so under target/: run `cargo build` first", 2)
+    return str(built[-1])
+
+
+# Every test's client, and every process it starts, decodes with the compiled decoder, as an
+# installed wheel does; `SHARDD_DECODER=python` runs the suite on the pure-Python one.
+# tests/python/test_decode.py compares the two.
+os.environ.setdefault("SHARDD_DECODER", compiled_decoder())
+
 BUCKET = "bkt"
 TRAIN_SHARDS = 12
 BIG_SHARDS = 6

@@ -1,14 +1,20 @@
-"""The client's two batch decoders (shardd/_decode.py) give the same samples: the loop, which
-takes any batch, and the shaped decoders made for batches whose samples all have the same
-number of fields. Batches are encoded here as the daemon lays them out (proto/PROTOCOL.md);
-the end-to-end tests (test_zerocopy.py, test_streams.py) read the daemon's own."""
+"""The client's batch decoders (shardd/_decode.py) give the same samples: the compiled one
+(clients/python/native/decode.rs) and the pure-Python ones, the loop, which takes any batch,
+and the shaped decoders made for batches whose samples all have the same number of fields. A
+batch that does not add up is a ProtocolError from each. Batches are encoded here as the
+daemon lays them out (proto/PROTOCOL.md); the end-to-end tests (test_zerocopy.py,
+test_streams.py) read the daemon's own, with the compiled decoder (conftest.py)."""
 
+import contextlib
 import functools
 import random
+import struct
 
 import pytest
 from shardd import _decode
 from shardd._errors import ProtocolError
+
+from conftest import compiled_decoder
 
 NAMES = ["jpg", "cls", "json", "txt"]
 URLS = ["gs://b/a.tar", "gs://b/é.tar"]
@@ -72,6 +78,34 @@ def random_samples(rng, n, fields, mapped):
     return out
 
 
+# The compiled decoder, as cargo built it (whatever SHARDD_DECODER says for the rest).
+COMPILED = _decode._load(compiled_decoder())
+
+
+@contextlib.contextmanager
+def decoder(compiled):
+    """``batch`` and ``mapped_batch`` decode with the compiled decoder, or in Python."""
+    saved = _decode._compiled
+    _decode._compiled = COMPILED if compiled else None
+    try:
+        yield
+    finally:
+        _decode._compiled = saved
+
+
+def decode(compiled, mapped, n, words, payload, maps, at=0, max_piece=None):
+    """``batch`` or ``mapped_batch`` as the client calls them: ``words`` (a tuple) packed,
+    a MAPPED_BATCH's payload at ``at`` in a bytearray (``max_piece``: its largest piece, at
+    most its length)."""
+    packed = struct.pack(f"<{len(words)}I", *words)
+    with decoder(compiled):
+        if not mapped:
+            return _decode.batch(n, NAMES, URLS, packed, payload, "s")
+        buf = bytearray(b"x" * at + payload + b"y")
+        return _decode.mapped_batch(n, NAMES, URLS, packed, memoryview(buf), at,
+                                    at + len(payload), max_piece or len(payload), maps, "s")
+
+
 # The loops themselves, for comparisons (``loops_taken`` wraps them in the module).
 ANY_BATCH, ANY_MAPPED = _decode._any_batch, _decode._any_mapped
 
@@ -92,7 +126,7 @@ def test_a_batch_of_one_shape_is_decoded_shaped_and_equals_the_loop(fields, monk
         samples = random_samples(rng, rng.randrange(1, 50), fields, mapped=False)
         n, words, payload = encode(samples, mapped=False)
         want = expected(samples, {})
-        assert _decode.batch(n, NAMES, URLS, words, payload) == want
+        assert _decode.python_batch(n, NAMES, URLS, words, payload) == want
         assert ANY_BATCH(n, NAMES, URLS, words, payload) == want
     assert not taken, "the shaped decoder takes every batch of one shape"
 
@@ -110,7 +144,7 @@ def test_a_mapped_batch_of_one_shape_is_decoded_shaped_and_equals_the_loop(field
         mv = memoryview(prefix + payload + b"y")[len(prefix) : len(prefix) + len(payload)]
         want = (expected(samples, maps),
                 sum(v[2] for _, _, fs in samples for _, v in fs if not isinstance(v, bytes)))
-        assert _decode.mapped_batch(n, NAMES, URLS, words, mv, 40, maps, "s") == want
+        assert _decode.python_mapped_batch(n, NAMES, URLS, words, mv, 40, maps, "s") == want
         assert ANY_MAPPED(n, NAMES, URLS, words, mv, maps, "s") == want
     assert not taken, "the shaped decoder takes every batch of one shape"
 
@@ -128,20 +162,20 @@ def test_samples_with_different_numbers_of_fields_go_to_the_loop(monkeypatch):
               random_samples(rng, 40, None, True)]
     for samples in uneven:
         n, words, payload = encode(samples, mapped=True)
-        assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), 40, maps, "s") == (
+        assert _decode.python_mapped_batch(n, NAMES, URLS, words, memoryview(payload), 40, maps, "s") == (
             expected(samples, maps), sum(v[2] for _, _, fs in samples for _, v in fs
                                          if not isinstance(v, bytes)))
         plain = [(k, u, [(nm, v if isinstance(v, bytes) else b"v") for nm, v in fs])
                  for k, u, fs in samples]
         n, words, payload = encode(plain, mapped=False)
-        assert _decode.batch(n, NAMES, URLS, words, payload) == expected(plain, {})
+        assert _decode.python_batch(n, NAMES, URLS, words, payload) == expected(plain, {})
     assert len(taken) == 6, "the loop takes every batch of uneven samples"
 
 
 def test_a_map_the_daemon_did_not_send_is_named_by_either_decoder():
     samples = [("a", 0, [(0, (1, 0, 10))]), ("b", 0, [(0, (9, 0, 10))])]
     n, words, payload = encode(samples, mapped=True)
-    for decode in (functools.partial(_decode.mapped_batch, max_piece=1), ANY_MAPPED):
+    for decode in (functools.partial(_decode.python_mapped_batch, max_piece=1), ANY_MAPPED):
         with pytest.raises(ProtocolError, match="the daemon at s referred to map 9, which it did "
                                                 "not send"):
             decode(n, NAMES, URLS, words, memoryview(payload), maps={1: Map(1)}, path="s")
@@ -154,14 +188,19 @@ def test_a_mapped_batch_with_large_inline_pieces_goes_to_the_loop(monkeypatch):
     n, words, payload = encode(samples, mapped=True)
     taken = loops_taken(monkeypatch)
     maps = {1: Map(1)}
-    assert _decode.mapped_batch(n, NAMES, URLS, words, memoryview(payload), 5000, maps, "s") == (
+    assert _decode.python_mapped_batch(n, NAMES, URLS, words, memoryview(payload), 5000, maps, "s") == (
         expected(samples, maps), 20)
     assert len(taken) == 1
 
 
 def test_empty_batches():
-    assert _decode.batch(0, NAMES, URLS, (), b"") == []
-    assert _decode.mapped_batch(0, NAMES, URLS, (), memoryview(b""), 0, {}, "s") == ([], 0)
+    assert _decode.python_batch(0, NAMES, URLS, (), b"") == []
+    assert _decode.python_mapped_batch(0, NAMES, URLS, (), memoryview(b""), 0, {}, "s") == ([], 0)
+    for compiled in (True, False):
+        with decoder(compiled):
+            assert _decode.batch(0, NAMES, URLS, b"", b"", "s") == []
+            assert _decode.mapped_batch(0, NAMES, URLS, b"", memoryview(bytearray()), 0, 0, 0, {},
+                                        "s") == ([], 0)
 
 
 def test_more_fields_than_shaped_decoders_are_made_for_go_to_the_loop(monkeypatch):
@@ -170,5 +209,86 @@ def test_more_fields_than_shaped_decoders_are_made_for_go_to_the_loop(monkeypatc
                for i in range(3)]
     taken = loops_taken(monkeypatch)
     n, words, payload = encode(samples, mapped=False)
-    assert _decode.batch(n, NAMES, URLS, words, payload) == expected(samples, {})
+    assert _decode.python_batch(n, NAMES, URLS, words, payload) == expected(samples, {})
     assert len(taken) == 1
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_the_compiled_decoder_gives_the_samples_of_the_python_one(mapped):
+    rng = random.Random(11)
+    maps = {1: Map(1), 2: Map(2)}
+    many = _decode.SHAPED_MAX + 1
+    for i in range(60):
+        if i % 6 == 5:  # more fields than the shaped decoders take
+            samples = [(f"k{k}", 0, [(j % len(NAMES), bytes([j])) for j in range(many)])
+                       for k in range(3)]
+        else:
+            samples = random_samples(rng, rng.randrange(1, 60), [0, 1, 2, 3, None][i % 6],
+                                     mapped)
+        if i % 4 == 0:  # a large piece inline (one the daemon could not map)
+            samples.append(("big", 1, [(0, rng.randbytes(70_000))]))
+        n, words, payload = encode(samples, mapped)
+        max_piece = max([len(v) for _, _, fs in samples for _, v in fs if isinstance(v, bytes)]
+                        + [len(k) for k, _, _ in samples])
+        want = expected(samples, maps)
+        if mapped:
+            want = (want, sum(v[2] for _, _, fs in samples for _, v in fs
+                              if not isinstance(v, bytes)))
+        at = rng.randrange(10)
+        assert decode(True, mapped, n, words, payload, maps, at, max_piece) == want
+        assert decode(False, mapped, n, words, payload, maps, at, max_piece) == want
+    assert _decode.DECODER == "compiled", "conftest.py runs the suite on the compiled decoder"
+
+
+def test_a_map_the_daemon_did_not_send_is_named_by_the_compiled_decoder():
+    n, words, payload = encode([("a", 0, [(0, (1, 0, 10))]), ("b", 0, [(0, (9, 0, 10))])], True)
+    with pytest.raises(ProtocolError, match="the daemon at s referred to map 9, which it did not "
+                                            "send"):
+        decode(True, True, n, words, payload, {1: Map(1)})
+
+
+def outcome(compiled, mapped, n, words, payload, maps):
+    try:
+        return decode(compiled, mapped, n, words, payload, maps)
+    except ProtocolError:
+        return "ProtocolError"
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_batch_that_does_not_add_up_is_a_protocol_error_from_either_decoder(mapped):
+    """Batches broken as a daemon's bug or a stranger on the socket could: each decoder
+    decodes them to the same samples or raises ProtocolError, never anything else, and the
+    compiled one reads nothing outside the batch."""
+    rng = random.Random(3)
+    maps = {1: memoryview(rng.randbytes(1 << 16)), 2: memoryview(rng.randbytes(1 << 10))}
+    errors = 0
+    for i in range(3000):
+        samples = random_samples(rng, rng.randrange(1, 8), None, mapped)
+        samples = [(k, u, [(nm, (m, off % (1 << 16), ln % 300) if isinstance(v, tuple) else v)
+                           for nm, v in fs for m, off, ln in [v if isinstance(v, tuple)
+                                                              else (0, 0, 0)]])
+                   for k, u, fs in samples]
+        n, words, payload = encode(samples, mapped)
+        words = list(words)
+        how = i % 8
+        if how == 0 and words:  # any word, any value
+            words[rng.randrange(len(words))] = rng.choice([0, 1, 7, 0xFFFF, 1 << 31, 0xFFFFFFFF,
+                                                          rng.getrandbits(32)])
+        elif how == 1:  # words cut short
+            words = words[: rng.randrange(len(words))]
+        elif how == 2:  # payload cut short
+            payload = payload[: rng.randrange(len(payload) + 1)]
+        elif how == 3:  # more samples than it has
+            n += rng.randrange(1, 3)
+        elif how == 4:  # a key that is not UTF-8
+            payload = b"\xff" + payload[1:]
+        elif how == 5:  # a field name or URL its tables do not have
+            words[rng.choice([0, 2]) if len(words) > 2 else 0] |= 0x7FF0
+        elif how == 6:  # one bit flipped in the payload
+            if payload:
+                k = rng.randrange(len(payload))
+                payload = payload[:k] + bytes([payload[k] ^ 0x80]) + payload[k + 1:]
+        got = outcome(True, mapped, n, tuple(words), payload, maps)
+        assert got == outcome(False, mapped, n, tuple(words), payload, maps), (how, words)
+        errors += got == "ProtocolError"
+    assert 1000 < errors < 2900  # the broken batches did break, the harmless ones decoded

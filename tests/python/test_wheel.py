@@ -3,6 +3,7 @@ fresh virtualenv with nothing else, it carries the daemon (`shardd` on the venv'
 Python package (client, shardd.torch, shardd.grain), all of one version."""
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -35,7 +36,8 @@ def test_wheel_is_manylinux_and_holds_the_daemon_and_the_package(wheel):
     # Every module of the package (the client is split into private modules, shardd/_*.py).
     package = {f"shardd/{p.name}" for p in (ROOT / "clients/python/shardd").glob("*.py")}
     assert {"shardd/client.py", "shardd/torch.py", "shardd/grain.py", "shardd/_frames.py"} <= package
-    assert package | {f"shardd-{version}.data/scripts/shardd"} <= names
+    assert package | {f"shardd-{version}.data/scripts/shardd",
+                      "shardd/libshardd_decode.so"} <= names
     # The package's files are those of clients/python, byte for byte.
     with zipfile.ZipFile(wheel) as z:
         for name in package:
@@ -46,11 +48,18 @@ def test_installed_binary_runs_the_demo_and_versions_agree(venv, tmp_path):
     version = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
     shardd = venv / "bin" / "shardd"
     assert run(shardd, "--version") == f"shardd {version}\n"
-    probe = ("import importlib.metadata, json, shardd, shardd.client; print(json.dumps("
-             "[shardd.__version__, importlib.metadata.version('shardd'), shardd.__file__]))")
-    package, metadata, where = json.loads(run(venv / "bin" / "python", "-c", probe))
+    # The installed client decodes with the compiled decoder the wheel carries (not the one
+    # conftest.py names for the rest of the suite).
+    probe = ("import importlib.metadata, json, shardd, shardd.client, shardd._decode as d; "
+             "print(json.dumps([shardd.__version__, importlib.metadata.version('shardd'), "
+             "shardd.__file__, d.DECODER, d.batch(1, ['cls'], ['u'], bytes([0, 0, 1, 0, 1, 0, 0, "
+             "0, 0, 0, 0, 0, 2, 0, 0, 0]), b'k42', 's')[0]['cls'].decode()]))")
+    env = {k: v for k, v in os.environ.items() if k != "SHARDD_DECODER"}
+    package, metadata, where, decoder, field = json.loads(
+        run(venv / "bin" / "python", "-c", probe, env=env))
     assert package == metadata == version
     assert where.startswith(str(venv))  # the wheel's copy, not the repository's
+    assert (decoder, field) == ("compiled", "42")
     demo = run(shardd, "demo", timeout=300)
     assert "every sample exactly once" in demo, demo
     # The units it installs run the binary it was installed as.

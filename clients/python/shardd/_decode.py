@@ -6,18 +6,27 @@ BATCH, its name index and length (the bytes follow the key in the payload); in a
 MAPPED_BATCH, its name index (top bit: mapped), length, map id and offset (low, high word),
 where an unmapped field's bytes follow in the payload as in a BATCH.
 
-Two decoders per layout give the same samples:
+Two decoders give the same samples:
 
-- the loop (``_any_batch``, ``_any_mapped``) takes any batch, each sample with its own number
-  of fields;
-- a shaped decoder (``_shaped``) is made for batches whose samples all have the same number of
-  fields, nearly always so (a dataset's samples have the same extensions): its ``for`` unpacks
-  a sample's words into local names in one step, and one dict display makes the sample. That
-  cut decoding a 10 KB zero-copy sample from 1.65 to 1.15 µs (docs/benchmarks.md, "The
-  client's decoding and zero-copy frames").
+- the compiled one (clients/python/native/decode.rs), which the wheel carries as
+  ``libshardd_decode.so`` beside this file and which is loaded with ``ctypes.PyDLL``: one call
+  per batch. It cut the client's cost of a 10 KB zero-copy sample by half (docs/benchmarks.md,
+  "The compiled decoder");
+- the pure-Python one, where the library is absent (the client-only distribution, a source
+  tree) or cannot load. Of it, the loop (``_any_batch``, ``_any_mapped``) takes any batch, each
+  sample with its own number of fields; a shaped decoder (``_shaped``) is made for batches whose
+  samples all have the same number of fields, nearly always so: its ``for`` unpacks a sample's
+  words into local names in one step, and one dict display makes the sample.
 
-``batch`` and ``mapped_batch`` take the shaped decoder where it applies, the loop otherwise.
+``SHARDD_DECODER`` chooses: ``python`` for the pure-Python decoder, a path for that library
+(tests, a source tree), unset for the library beside this file if there is one. ``DECODER``
+says which one this process uses. ``batch`` and ``mapped_batch`` take it.
 """
+
+import ctypes
+import os
+import struct
+import warnings
 
 from ._errors import ProtocolError
 
@@ -34,20 +43,106 @@ SMALL_PIECE = 4096
 _HEAD_WORDS = 2
 _FIELD_WORDS = {"batch": 2, "mapped": 5}
 
+# The compiled decoder's interface version (decode.rs ``shardd_decode_abi``).
+_ABI = 1
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libshardd_decode.so")
+
 _made = {}
 
 
-def batch(n, names, urls, words, data):
-    """The ``n`` samples of a BATCH whose payload is ``data`` (bytes): fields are bytes."""
+def _load(chosen):
+    """The compiled decoder's two functions, or None for the pure-Python decoder. ``chosen``:
+    ``SHARDD_DECODER``."""
+    if chosen == "python":
+        return None
+    path = chosen or LIBRARY
+    if not chosen and not os.path.exists(path):
+        return None
+    try:
+        lib = ctypes.PyDLL(path)
+        if lib.shardd_decode_abi() != _ABI:
+            raise OSError(f"it speaks version {lib.shardd_decode_abi()} of its interface, "
+                          f"this client {_ABI}")
+    except (OSError, AttributeError) as e:
+        if chosen:  # asked for by name: say so, do not fall back unseen
+            raise ImportError(f"SHARDD_DECODER={chosen}: cannot load it: {e}") from e
+        warnings.warn(f"shardd: the compiled decoder {path} cannot be loaded ({e}); decoding "
+                      f"in Python, which costs more CPU per sample", RuntimeWarning)
+        return None
+    obj, size = ctypes.py_object, ctypes.c_ssize_t
+    decode_batch, decode_mapped = lib.shardd_decode_batch, lib.shardd_decode_mapped
+    decode_batch.argtypes = [obj, size, obj, obj, obj]
+    decode_mapped.argtypes = [obj, size, obj, obj, obj, size, size, obj]
+    decode_batch.restype = decode_mapped.restype = obj
+    return decode_batch, decode_mapped
+
+
+_compiled = _load(os.environ.get("SHARDD_DECODER", ""))
+DECODER = "python" if _compiled is None else "compiled"
+
+
+def batch(n, names, urls, words, data, path):
+    """The ``n`` samples of a BATCH whose descriptor words are ``words`` and payload ``data``
+    (both bytes): fields are bytes. ``path``: the daemon's socket, for messages."""
+    if _compiled is not None:
+        try:
+            return _compiled[0](words, n, names, urls, data)
+        except ValueError as e:
+            raise _malformed(path, e) from None
+    try:
+        return python_batch(n, names, urls, _unpack(words), data)
+    except (IndexError, ValueError) as e:
+        raise _malformed(path, e) from None
+
+
+def mapped_batch(n, names, urls, words, mv, at, end, max_piece, maps, path):
+    """The ``n`` samples of a MAPPED_BATCH, and the bytes of their mapped fields: mapped fields
+    are memoryviews of ``maps`` (map id -> memoryview of the mapping), the others bytes from
+    ``mv[at:end]`` (``mv`` a memoryview of a bytearray: the batch's keys and unmapped fields,
+    the largest ``max_piece`` bytes)."""
+    if _compiled is not None:
+        try:
+            return _compiled[1](words, n, names, urls, mv.obj, at, end, maps)
+        except ValueError as e:
+            raise _malformed(path, e) from None
+        except KeyError as e:
+            raise _missing_map(path, e.args[0]) from None
+    try:
+        return python_mapped_batch(n, names, urls, _unpack(words), mv[at:end], max_piece, maps,
+                                   path)
+    except (IndexError, ValueError) as e:
+        raise _malformed(path, e) from None
+
+
+# What both decoders say of a batch whose pieces add up to more than its payload.
+OVERRUN = "a batch's pieces run past the end of its payload"
+
+
+def _unpack(words):
+    return struct.unpack(f"<{len(words) // 4}I", words)
+
+
+def _malformed(path, e):
+    return ProtocolError(f"the daemon at {path} sent a malformed batch: {e}")
+
+
+def _missing_map(path, map_id):
+    return ProtocolError(f"the daemon at {path} referred to map {map_id}, which it did not send")
+
+
+# -- the pure-Python decoder ----------------------------------------------------------------
+
+
+def python_batch(n, names, urls, words, data):
+    """``batch`` in Python, ``words`` unpacked. A batch that does not add up raises
+    IndexError or ValueError."""
     decoded = _try_shaped("batch", n, words, (words, data, names, urls))
     return decoded if decoded is not None else _any_batch(n, names, urls, words, data)
 
 
-def mapped_batch(n, names, urls, words, payload, max_piece, maps, path):
-    """The ``n`` samples of a MAPPED_BATCH, and the bytes of their mapped fields: mapped fields
-    are memoryviews of ``maps`` (map id -> memoryview of the mapping), the others bytes from
-    ``payload`` (a memoryview of the batch's keys and unmapped fields, the largest
-    ``max_piece`` bytes). ``path``: the daemon's socket, for messages."""
+def python_mapped_batch(n, names, urls, words, payload, max_piece, maps, path):
+    """``mapped_batch`` in Python, ``words`` unpacked, ``payload`` a memoryview; errors as
+    ``python_batch``'s."""
     try:
         decoded = (_try_shaped("mapped", n, words, (words, payload, names, urls, maps))
                    if max_piece <= SMALL_PIECE else None)
@@ -86,6 +181,8 @@ def _any_batch(n, names, urls, words, data):
             i += 2
         p = q
         append(sample)
+    if p > len(data):
+        raise ValueError(OVERRUN)
     return out
 
 
@@ -108,13 +205,16 @@ def _any_mapped(n, names, urls, words, mv, maps, path):
                 try:
                     sample[names[name & 0x7FFFFFFF]] = maps[words[i + 2]][off : off + ln]
                 except KeyError:
-                    raise ProtocolError(f"the daemon at {path} referred to map "
-                                        f"{words[i + 2]}, which it did not send") from None
+                    raise _missing_map(path, words[i + 2]) from None
             else:
                 sample[names[name]] = mv[p : p + ln].tobytes()
                 p += ln
             i += 5
         out.append(sample)
+    if p > len(mv):
+        raise ValueError(OVERRUN)
+    if i > len(words):  # an inline field's last three words (unused) are missing
+        raise ValueError("a batch's samples need more descriptor words than it has")
     return out, mapped
 
 
@@ -175,8 +275,10 @@ def _make_shaped(layout, fields):
         "        p = q",
         *(f"        {line}" for line in per_field),
         f"        append({{'__key__': key, '__url__': urls[head & 0xFFFF]{entries}}})",
+        "    if p > len(data):",
+        "        raise ValueError(OVERRUN)",
         f"    return {result}",
     ]
-    scope = {}
+    scope = {"OVERRUN": OVERRUN}
     exec(compile("\n".join(lines), f"<shardd: {layout} of {fields} fields>", "exec"), scope)
     return scope["decode"]

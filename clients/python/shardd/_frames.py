@@ -3,7 +3,7 @@ and BATCH frames into samples (their descriptor words into samples: ``_decode``)
 of streams, positions or reconnects, so the per-sample code stays with the frames.
 
 Speed matters here: the trainer's Python process is where every sample ends up. A whole
-batch's descriptors are decoded with a single ``struct.unpack_from``; a batch of small pieces
+batch's descriptor words are taken as one ``bytes`` object and decoded in one call; a batch of small pieces
 (keys, labels, 10 KB images) is received as one ``bytes`` object and cut with slices; large
 pieces (at least ``DIRECT_MIN`` bytes) are received straight into their own ``bytes`` object
 with ``MSG_WAITALL``, so the kernel copies them exactly once. Reads are bounded so the buffer
@@ -241,7 +241,7 @@ class FrameReader:
 
     def _batch_head(self, length):
         """Reads a BATCH or MAPPED_BATCH body up to its payload: (samples, field names, URLs,
-        descriptor words, payload bytes, max_piece)."""
+        descriptor words (bytes), payload bytes, max_piece)."""
         self.fill(_BATCH_HEADER.size, _BATCH_HEADER.size)
         n, n_words, n_names, n_urls, payload_offset, max_piece = _BATCH_HEADER.unpack_from(
             self._buf, self._lo
@@ -256,7 +256,7 @@ class FrameReader:
             tables.append(str(mv[p : p + ln], "utf-8"))
             p += ln
         names, urls = tables[:n_names], tables[n_names:]
-        words = struct.unpack_from(f"<{n_words}I", buf, p)
+        words = mv[p : p + 4 * n_words].tobytes()
         self._lo += payload_offset
         payload = length - payload_offset
         return n, names, urls, words, payload, max_piece
@@ -265,12 +265,13 @@ class FrameReader:
         """Reads one BATCH body (``length`` bytes) and returns its samples."""
         n, names, urls, words, payload, max_piece = self._batch_head(length)
         if max_piece >= DIRECT_MIN and self.direct:
+            words = struct.unpack(f"<{len(words) // 4}I", words)
             return _text_source(self._read_pieces(n, names, urls, words), names)
 
         # Fast path: every piece is small. The whole payload as one bytes object (at least
         # DIRECT_MIN bytes: received straight into it), cut with slices: one copy per piece, and
         # no memoryview object per piece.
-        return _text_source(batch(n, names, urls, words, self.take(payload)), names)
+        return _text_source(batch(n, names, urls, words, self.take(payload), self.path), names)
 
     def _read_pieces(self, n, names, urls, words):
         """A batch with large pieces: small ones through the buffer (read in runs that stop at
@@ -319,7 +320,7 @@ class FrameReader:
         self.fill(payload, payload)
         p = self._lo
         self._lo += payload
-        out, mapped = mapped_batch(n, names, urls, words, self._mv[p : p + payload], max_piece,
+        out, mapped = mapped_batch(n, names, urls, words, self._mv, p, p + payload, max_piece,
                                    self.zero_copy.maps, self.path)
         # Read-ahead counts what a batch hands out, mapped bytes too: counting its frame (a few
         # bytes per field) let the thread take in, and keep pinned, gigabytes of shards.
