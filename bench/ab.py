@@ -71,7 +71,7 @@ def main():
     args = ap.parse_args()
 
     sys.path.insert(0, str(HERE))
-    import bench
+    import bench  # imports source_client: SHARDD_DECODER, the compiled decoder by default
 
     paths = sorted(pathlib.Path(args.data, f"{args.size}-{args.total_mb}").glob("shard-*.tar"))
     if not paths:

@@ -52,8 +52,9 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "clients" / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import source_client  # noqa: E402  (before shardd: the client of this tree, its decoder)
 import shardd  # noqa: E402
 import webdataset as wds  # noqa: E402
 
@@ -379,6 +380,7 @@ def main():
             proc.send_signal(signal.SIGTERM)
             proc.wait()
 
+    print(f"client decoder: {source_client.decoder()}")
     print(f"\n1. one consumer (best of {args.repeat}; daemon CPU: over all {args.repeat} runs)")
     print(f"{'dataset':8} {'reader':26} {'samples/s':>11} {'MB/s':>8} {'daemon us/sample':>17} {'daemon CPU-s/GB':>16}")
     for name, best in rows.items():

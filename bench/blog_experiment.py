@@ -77,8 +77,9 @@ import time
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "clients" / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
+
+import source_client  # noqa: E402  (before shardd: the client of this tree, its decoder)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -567,6 +568,7 @@ def main():
         print("E (litData) skipped: litdata and google-cloud-storage are not installed "
               "(.venv/bin/pip install --no-deps -r bench/requirements.txt)", flush=True)
     mean_kb = sum(f.stat().st_size for f in files) / len(files) / 1000
+    print(f"client decoder: {source_client.decoder()}")
     print(f"{args.images} JPEGs of {args.min_px}-{args.max_px} px, mean {mean_kb:.0f} KB, in {len(tars)} shards; "
           f"{args.workers} workers, batches of {BATCH}, {args.epochs} epoch(s); store: "
           f"{args.latency_ms:g} ms to first byte, {args.rate_mbs:g} MB/s per connection; "

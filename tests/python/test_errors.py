@@ -420,3 +420,55 @@ def test_a_bad_error_frame_says_what_happened(fake, body, message):
     with pytest.raises(shardd.ProtocolError) as e:
         shardd.Client(f.path).stream("fake", epoch=0, rank=0, world_size=1)
     assert str(e.value) == f"the daemon at {f.path} {message}"
+
+
+def broken_batch(how):
+    """A BATCH frame of FAKE (one of its samples' fields made large, for the client's path of
+    large pieces, with ``direct``) broken as ``how`` says."""
+    samples = FAKE if how != "direct" else [("k0", {"bin": bytes(70_000), "cls": b"0"})]
+    body = bytearray(batch_frame(samples)[5:])
+    n, n_words, n_names, n_urls, offset, _ = struct.unpack_from("<6I", body)
+    words_at = offset - 4 * n_words
+    if how == "name":  # the first field's name index, past the names table
+        struct.pack_into("<I", body, words_at + 8, 7)
+    elif how == "url":  # the first sample's URL index, past the URLs table
+        struct.pack_into("<I", body, words_at, 2 << 16 | 3)
+    elif how == "table":  # a name that is not UTF-8
+        body[28] = 0xFF
+    elif how == "offset":  # the payload offset past the frame
+        struct.pack_into("<I", body, 16, len(body) + 1)
+    elif how == "key":  # the first key not UTF-8
+        body[offset] = 0xFF
+    elif how == "direct":  # a piece longer than the payload holds
+        struct.pack_into("<I", body, words_at + 12, 70_001)
+    return frame(3, bytes(body))
+
+
+@pytest.mark.parametrize("how, why", [
+    ("name", "a batch names a field or URL its tables do not have"),
+    ("url", "a batch names a field or URL its tables do not have"),
+    ("table", "'utf-8' codec can't decode byte 0xff in position 0"),
+    ("offset", "its payload offset 440 is outside its 439 bytes"),
+    ("key", "'utf-8' codec can't decode byte 0xff in position 0"),
+    ("direct", "its pieces add up to 70004 bytes, its payload is 70003"),
+])
+def test_a_batch_that_does_not_add_up_is_a_protocol_error(fake, how, why):
+    """Whatever a broken batch gets wrong, the trainer gets a ProtocolError that says so, not
+    an IndexError or a UnicodeDecodeError from inside the client (both decoders:
+    test_decode.py)."""
+    def send(fake_daemon, conn):
+        fake_daemon.read_request(conn)
+        conn.sendall(PREAMBLE + json_frame(2, START) + broken_batch(how)
+                     + json_frame(4, {"samples": 3, "bytes": 0}))
+        conn.recv(1)  # until the client leaves
+
+    f = fake(send)
+    # A client that read past the frame would wait for more bytes: a timeout, but not for
+    # "direct", whose large pieces are received with MSG_WAITALL on a socket without one.
+    stream = shardd.Client(f.path, reconnect_timeout=0, timeout=None if how == "direct" else 5
+                           ).stream("fake", epoch=0, rank=0, world_size=1)
+    with pytest.raises(shardd.ProtocolError) as e:
+        next(stream)
+    assert str(e.value).startswith(f"the daemon at {f.path} sent a malformed batch: ")
+    assert why in str(e.value)
+    stream.close()

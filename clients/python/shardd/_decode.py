@@ -88,11 +88,11 @@ def batch(n, names, urls, words, data, path):
         try:
             return _compiled[0](words, n, names, urls, data)
         except ValueError as e:
-            raise _malformed(path, e) from None
+            raise malformed(path, e) from None
     try:
         return python_batch(n, names, urls, _unpack(words), data)
     except (IndexError, ValueError) as e:
-        raise _malformed(path, e) from None
+        raise malformed(path, e) from None
 
 
 def mapped_batch(n, names, urls, words, mv, at, end, max_piece, maps, path):
@@ -104,14 +104,14 @@ def mapped_batch(n, names, urls, words, mv, at, end, max_piece, maps, path):
         try:
             return _compiled[1](words, n, names, urls, mv.obj, at, end, maps)
         except ValueError as e:
-            raise _malformed(path, e) from None
+            raise malformed(path, e) from None
         except KeyError as e:
             raise _missing_map(path, e.args[0]) from None
     try:
         return python_mapped_batch(n, names, urls, _unpack(words), mv[at:end], max_piece, maps,
                                    path)
     except (IndexError, ValueError) as e:
-        raise _malformed(path, e) from None
+        raise malformed(path, e) from None
 
 
 # What both decoders say of a batch whose pieces add up to more than its payload.
@@ -122,8 +122,9 @@ def _unpack(words):
     return struct.unpack(f"<{len(words) // 4}I", words)
 
 
-def _malformed(path, e):
-    return ProtocolError(f"the daemon at {path} sent a malformed batch: {e}")
+def malformed(path, why):
+    """The error for a batch from the daemon at ``path`` that does not add up."""
+    return ProtocolError(f"the daemon at {path} sent a malformed batch: {why}")
 
 
 def _missing_map(path, map_id):

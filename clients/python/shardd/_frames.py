@@ -14,7 +14,7 @@ import json
 import socket
 import struct
 
-from ._decode import batch, mapped_batch
+from ._decode import batch, malformed, mapped_batch
 from ._errors import ConnectionLostError, DaemonError, ProtocolError
 
 MAGIC = b"SHARDD"
@@ -246,15 +246,26 @@ class FrameReader:
         n, n_words, n_names, n_urls, payload_offset, max_piece = _BATCH_HEADER.unpack_from(
             self._buf, self._lo
         )
+        if not _BATCH_HEADER.size <= payload_offset <= length:
+            raise malformed(self.path, f"its payload offset {payload_offset} is outside its "
+                                  f"{length} bytes")
         self.fill(payload_offset, payload_offset)
         buf, mv = self._buf, self._mv
         p = self._lo + _BATCH_HEADER.size
+        head_end = self._lo + payload_offset
         tables = []
-        for _ in range(n_names + n_urls):
-            (ln,) = _U32.unpack_from(buf, p)
-            p += 4
-            tables.append(str(mv[p : p + ln], "utf-8"))
-            p += ln
+        try:
+            for _ in range(n_names + n_urls):
+                (ln,) = _U32.unpack_from(buf, p)
+                p += 4
+                if p + ln > head_end:
+                    raise ValueError("its tables run into its payload")
+                tables.append(str(mv[p : p + ln], "utf-8"))
+                p += ln
+        except (ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+            raise malformed(self.path, e) from None
+        if p + 4 * n_words > head_end:
+            raise malformed(self.path, "its descriptor words run into its payload")
         names, urls = tables[:n_names], tables[n_names:]
         words = mv[p : p + 4 * n_words].tobytes()
         self._lo += payload_offset
@@ -266,23 +277,39 @@ class FrameReader:
         n, names, urls, words, payload, max_piece = self._batch_head(length)
         if max_piece >= DIRECT_MIN and self.direct:
             words = struct.unpack(f"<{len(words) // 4}I", words)
-            return _text_source(self._read_pieces(n, names, urls, words), names)
+            return _text_source(self._read_pieces(n, names, urls, words, payload), names)
 
         # Fast path: every piece is small. The whole payload as one bytes object (at least
         # DIRECT_MIN bytes: received straight into it), cut with slices: one copy per piece, and
         # no memoryview object per piece.
         return _text_source(batch(n, names, urls, words, self.take(payload), self.path), names)
 
-    def _read_pieces(self, n, names, urls, words):
+    def _read_pieces(self, n, names, urls, words, payload):
         """A batch with large pieces: small ones through the buffer (read in runs that stop at
         the next large piece), large ones received directly."""
+        # Every piece's length, checked before anything is read: pieces that did not add up
+        # would read into the next frame.
         lengths = []
         i = 0
         for _ in range(n):
-            f = words[i] >> 16
+            head = words[i] if i + 1 < len(words) else 0xFFFF
+            fields = words[i + 2 : i + 2 + 2 * (head >> 16)]
+            if (len(fields) < 2 * (head >> 16) or head & 0xFFFF >= len(urls)
+                    or any(name >= len(names) for name in fields[::2])):
+                raise malformed(self.path, "its descriptor words do not match its tables")
             lengths.append(words[i + 1])
-            lengths.extend(words[i + 3 : i + 2 + 2 * f : 2])
-            i += 2 + 2 * f
+            lengths.extend(fields[1::2])
+            i += 2 + len(fields)
+        if sum(lengths) != payload:
+            raise malformed(self.path, f"its pieces add up to {sum(lengths)} bytes, its "
+                                       f"payload is {payload}")
+        try:
+            return self._receive_pieces(n, names, urls, words, lengths)
+        except UnicodeDecodeError as e:
+            raise malformed(self.path, e) from None
+
+    def _receive_pieces(self, n, names, urls, words, lengths):
+        """``_read_pieces``' reads, its pieces' ``lengths`` checked."""
         # run[k]: bytes from piece k up to the next large piece (what one read may cover).
         run = [0] * (len(lengths) + 1)
         for k in range(len(lengths) - 1, -1, -1):
