@@ -90,6 +90,25 @@ def test_same_samples_as_the_socket_path_and_webdataset(daemon, data, train_path
         assert got == want
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["socket", "zero_copy"])
+def test_the_compiled_and_the_python_decoder_read_the_same_stream(daemon, zero_copy, monkeypatch):
+    """The suite reads with the compiled decoder (conftest.py); the client without it (the
+    client-only distribution) decodes in Python: the same samples, of the same types."""
+    from shardd import _decode
+
+    assert _decode.DECODER == "compiled"
+    for dataset in ("z", "train"):
+        compiled, _ = read(daemon.socket, dataset, zero_copy)
+        with monkeypatch.context() as m:
+            m.setattr(_decode, "_compiled", None)
+            python, _ = read(daemon.socket, dataset, zero_copy)
+        assert len(python) == len(compiled) > 0
+        for a, b in zip(compiled, python):
+            assert {k: type(v) for k, v in a.items()} == {k: type(v) for k, v in b.items()}
+            assert {k: bytes(v) if isinstance(v, memoryview) else v for k, v in a.items()} == {
+                k: bytes(v) if isinstance(v, memoryview) else v for k, v in b.items()}
+
+
 def batches(socket_path, dataset, zero_copy):
     """One epoch's samples as the frames they came in (``rest_of_batch``)."""
     with shardd.Client(socket_path, zero_copy=zero_copy, readahead=0) as c:
