@@ -14,7 +14,7 @@ import pytest
 from shardd import _decode
 from shardd._errors import ProtocolError
 
-from conftest import compiled_decoder
+from conftest import DECODER, compiled_decoder
 
 NAMES = ["jpg", "cls", "json", "txt"]
 URLS = ["gs://b/a.tar", "gs://b/é.tar"]
@@ -237,7 +237,7 @@ def test_the_compiled_decoder_gives_the_samples_of_the_python_one(mapped):
         at = rng.randrange(10)
         assert decode(True, mapped, n, words, payload, maps, at, max_piece) == want
         assert decode(False, mapped, n, words, payload, maps, at, max_piece) == want
-    assert _decode.DECODER == "compiled", "conftest.py runs the suite on the compiled decoder"
+    assert _decode.DECODER == DECODER, "conftest.py chooses the suite's decoder"
 
 
 def test_a_map_the_daemon_did_not_send_is_named_by_the_compiled_decoder():
@@ -292,3 +292,43 @@ def test_a_batch_that_does_not_add_up_is_a_protocol_error_from_either_decoder(ma
         assert got == outcome(False, mapped, n, tuple(words), payload, maps), (how, words)
         errors += got == "ProtocolError"
     assert 1000 < errors < 2900  # the broken batches did break, the harmless ones decoded
+
+
+UAF = """
+import gc, struct, sys
+from shardd import _decode
+decode_mapped = _decode._load(sys.argv[1])[1]
+maps = {1: memoryview(bytearray(b"A" * 100000))}
+
+class Trap:
+    def __del__(self):  # drops the map the decoder is slicing, then reuses the memory
+        maps.clear()
+        global junk
+        junk = [bytearray(b"Z" * 200) for _ in range(2000)]
+
+n = 200
+words = struct.pack("<7I", 1 << 16, 0, 1 << 31, 4, 1, 0, 0) * n
+gc.collect()
+gc.set_threshold(100000)
+t = Trap()
+t.self = t
+del t  # cyclic garbage with a finalizer, collected at an allocation inside the call
+gc.set_threshold(int(sys.argv[2]))
+out, mapped = decode_mapped(words, n, ["f"], ["u"], bytearray(), 0, 0, maps)
+gc.set_threshold(700)
+print(len(out), mapped, sorted({bytes(s["f"]) for s in out}), maps)
+"""
+
+
+@pytest.mark.parametrize("threshold", [20, 40])
+def test_a_map_dropped_by_a_finalizer_mid_batch_stays_valid_for_the_batch(threshold):
+    """The compiled decoder keeps its own reference to the map it slices: a garbage collection
+    inside the call (Python 3.11 and older collect at allocations) may run a finalizer that
+    drops the dict's (it crashed the interpreter when the reference was borrowed)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", UAF, compiled_decoder(), str(threshold)],
+                         capture_output=True, text=True, cwd=_decode.__file__.rsplit("/", 2)[0])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "200 800 [b'AAAA'] {}"

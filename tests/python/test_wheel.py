@@ -44,6 +44,23 @@ def test_wheel_is_manylinux_and_holds_the_daemon_and_the_package(wheel):
             assert z.read(name) == (ROOT / "clients/python" / name).read_bytes(), name
 
 
+def test_the_compiled_decoder_in_the_wheel_needs_no_newer_glibc_than_its_tag(wheel, tmp_path):
+    """maturin checks the daemon's symbols against manylinux_2_34, not a library the wheel
+    only includes (the client's decoder, from build.rs): checked here, with binutils (the
+    Rust toolchain's linker comes with them)."""
+    import re
+
+    lib = tmp_path / "libshardd_decode.so"
+    lib.write_bytes(zipfile.ZipFile(wheel).read("shardd/libshardd_decode.so"))
+    symbols = run("objdump", "-T", lib)
+    versions = {tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_([0-9.]+)", symbols)}
+    assert versions and max(versions) <= (2, 34), sorted(versions)
+    # It needs CPython's functions from the process, and no libpython or anything else odd.
+    needed = set(re.findall(r"NEEDED\s+(\S+)", run("objdump", "-p", lib)))
+    assert needed <= {"libc.so.6", "libgcc_s.so.1", "libm.so.6", "ld-linux-x86-64.so.2"}, needed
+    assert "PyDict_New" in symbols
+
+
 def test_installed_binary_runs_the_demo_and_versions_agree(venv, tmp_path):
     version = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
     shardd = venv / "bin" / "shardd"

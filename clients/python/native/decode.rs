@@ -11,8 +11,11 @@
 //! stable ABI, so one library serves every Python 3 the client supports.
 //!
 //! Hostile input is the daemon's problem, not the trainer's: every index into the words, the
-//! payload and the name and URL tables is checked, and a batch that does not add up raises
-//! `ValueError` (the client makes it a `ProtocolError`). Nothing here panics.
+//! payload and the name and URL tables is checked against the frame, and a batch that does not
+//! add up raises `ValueError` (the client makes it a `ProtocolError`). Nothing here panics.
+//! The map it keeps from one field to the next is a reference of its own (an allocation can
+//! run a garbage collection, whose finalizers could drop the dict's); the tables' items it
+//! borrows are in lists that only the caller holds.
 
 use std::ffi::{c_char, c_int};
 use std::ptr::null_mut;
@@ -26,11 +29,16 @@ type Obj = *mut PyObject;
 
 unsafe extern "C" {
     static mut PyExc_ValueError: Obj;
+    static mut PyExc_TypeError: Obj;
     static mut PyExc_KeyError: Obj;
     fn PyErr_SetString(kind: Obj, message: *const c_char);
     fn PyErr_SetObject(kind: Obj, value: Obj);
     fn PyErr_Occurred() -> Obj;
     fn Py_DecRef(o: Obj);
+    fn Py_IncRef(o: Obj);
+    /// 1, 0, or -1 with an error set.
+    fn PyObject_IsInstance(o: Obj, class: Obj) -> c_int;
+    static mut PyByteArray_Type: PyObject;
     fn PyList_New(len: isize) -> Obj;
     fn PyList_Append(list: Obj, item: Obj) -> c_int;
     /// Borrowed.
@@ -175,14 +183,16 @@ impl Table {
 /// fields nearly all come from one or two shards).
 struct Maps {
     maps: Obj,
-    last: Option<(u32, Obj)>,
+    /// A reference of its own: the allocations between two fields can run a garbage
+    /// collection, and so finalizers, which could drop the dict's.
+    last: Option<(u32, Owned)>,
 }
 
 impl Maps {
     /// `maps[id][offset:offset + len]`.
     unsafe fn slice(&mut self, id: u32, offset: u64, len: u32) -> Result<Owned, Error> {
-        let map = match self.last {
-            Some((last, map)) if last == id => map,
+        let map = match &self.last {
+            Some((last, map)) if *last == id => map.0,
             _ => {
                 let key = Owned::new(unsafe { PyLong_FromUnsignedLongLong(u64::from(id)) })?;
                 let map = unsafe { PyDict_GetItemWithError(self.maps, key.0) };
@@ -193,8 +203,8 @@ impl Maps {
                         Error::MissingMap(id)
                     });
                 }
-                // Borrowed from the dict, which nothing changes during the call.
-                self.last = Some((id, map));
+                unsafe { Py_IncRef(map) };
+                self.last = Some((id, Owned(map)));
                 map
             }
         };
@@ -328,18 +338,26 @@ pub unsafe extern "C" fn shardd_decode_mapped(
 ) -> Obj {
     let result = (|| {
         let words = unsafe { bytes_arg(words) }?;
-        let size = unsafe { PyByteArray_Size(buffer) };
-        if size < 0 {
-            return Err(Error::Raised);
+        // PyByteArray_* trust their argument's type: checked here, not by the caller.
+        match unsafe { PyObject_IsInstance(buffer, &raw mut PyByteArray_Type) } {
+            1 => {}
+            0 => {
+                let message = c"shardd_decode_mapped: the buffer is not a bytearray";
+                unsafe { PyErr_SetString(PyExc_TypeError, message.as_ptr()) };
+                return Err(Error::Raised);
+            }
+            _ => return Err(Error::Raised),
         }
+        let size = unsafe { PyByteArray_Size(buffer) };
         if at < 0 || at > end || end > size {
             return Err(Error::Malformed(
                 c"a batch's payload is not within the receive buffer",
             ));
         }
         let base = unsafe { PyByteArray_AsString(buffer) };
-        // The buffer outlives the call (its caller holds it) and no Python code that could
-        // resize it runs until the call returns.
+        // The buffer outlives the call (the call's argument is a reference), and it is not
+        // resized under it: the client's memoryview of it (`_frames.py`, `self._mv`) makes
+        // any resize a BufferError, and the client replaces a buffer that must grow.
         let payload = unsafe {
             std::slice::from_raw_parts(base.cast::<u8>().add(at as usize), (end - at) as usize)
         };

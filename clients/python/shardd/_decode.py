@@ -23,9 +23,10 @@ Two decoders give the same samples:
 says which one this process uses. ``batch`` and ``mapped_batch`` take it.
 """
 
-import ctypes
 import os
 import struct
+import sys
+import sysconfig
 import warnings
 
 from ._errors import ProtocolError
@@ -56,25 +57,34 @@ def _load(chosen):
     if chosen == "python":
         return None
     path = chosen or LIBRARY
-    if not chosen and not os.path.exists(path):
+    if not chosen and not (os.path.exists(path) and _stable_abi()):
         return None
     try:
+        import ctypes  # here: a Python built without it still decodes in Python
+
         lib = ctypes.PyDLL(path)
         if lib.shardd_decode_abi() != _ABI:
             raise OSError(f"it speaks version {lib.shardd_decode_abi()} of its interface, "
                           f"this client {_ABI}")
-    except (OSError, AttributeError) as e:
+        obj, size = ctypes.py_object, ctypes.c_ssize_t
+        decode_batch, decode_mapped = lib.shardd_decode_batch, lib.shardd_decode_mapped
+        decode_batch.argtypes = [obj, size, obj, obj, obj]
+        decode_mapped.argtypes = [obj, size, obj, obj, obj, size, size, obj]
+        decode_batch.restype = decode_mapped.restype = obj
+    except (ImportError, OSError, AttributeError) as e:
         if chosen:  # asked for by name: say so, do not fall back unseen
             raise ImportError(f"SHARDD_DECODER={chosen}: cannot load it: {e}") from e
         warnings.warn(f"shardd: the compiled decoder {path} cannot be loaded ({e}); decoding "
                       f"in Python, which costs more CPU per sample", RuntimeWarning)
         return None
-    obj, size = ctypes.py_object, ctypes.c_ssize_t
-    decode_batch, decode_mapped = lib.shardd_decode_batch, lib.shardd_decode_mapped
-    decode_batch.argtypes = [obj, size, obj, obj, obj]
-    decode_mapped.argtypes = [obj, size, obj, obj, obj, size, size, obj]
-    decode_batch.restype = decode_mapped.restype = obj
     return decode_batch, decode_mapped
+
+
+def _stable_abi():
+    """Whether this interpreter runs libraries built for CPython's stable ABI: not PyPy, not a
+    free-threaded build (which decode in Python)."""
+    return (sys.implementation.name == "cpython"
+            and not sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 _compiled = _load(os.environ.get("SHARDD_DECODER", ""))
