@@ -39,7 +39,7 @@ def compiled_decoder():
 # Every test's client, and every process it starts, decodes with the compiled decoder, as an
 # installed wheel does; `SHARDD_DECODER=python` runs the suite on the pure-Python one.
 # tests/python/test_decode.py compares the two.
-if "SHARDD_DECODER" not in os.environ:
+if not os.environ.get("SHARDD_DECODER"):
     os.environ["SHARDD_DECODER"] = compiled_decoder()
 # What shardd._decode.DECODER is in this run.
 DECODER = "python" if os.environ["SHARDD_DECODER"] == "python" else "compiled"

@@ -445,7 +445,7 @@ def broken_batch(how):
 
 
 @pytest.mark.parametrize("how, why", [
-    ("name", "a batch names a field or URL its tables do not have"),
+    ("name", "a batch names a field or URL its tables do not have"),  # either decoder
     ("url", "a batch names a field or URL its tables do not have"),
     ("table", "'utf-8' codec can't decode byte 0xff in position 0"),
     ("offset", "its payload offset 440 is outside its 439 bytes"),

@@ -102,7 +102,7 @@ def batch(n, names, urls, words, data, path):
     try:
         return python_batch(n, names, urls, _unpack(words), data)
     except (IndexError, ValueError) as e:
-        raise malformed(path, e) from None
+        raise malformed(path, _why(e)) from None
 
 
 def mapped_batch(n, names, urls, words, mv, at, end, max_piece, maps, path):
@@ -121,11 +121,19 @@ def mapped_batch(n, names, urls, words, mv, at, end, max_piece, maps, path):
         return python_mapped_batch(n, names, urls, _unpack(words), mv[at:end], max_piece, maps,
                                    path)
     except (IndexError, ValueError) as e:
-        raise malformed(path, e) from None
+        raise malformed(path, _why(e)) from None
 
 
 # What both decoders say of a batch whose pieces add up to more than its payload.
 OVERRUN = "a batch's pieces run past the end of its payload"
+
+
+def _why(e):
+    """What a Python decoder's error says of the batch: an IndexError is an index past the end
+    of its words or of a table."""
+    if isinstance(e, IndexError):
+        return "a batch names a field or URL its tables do not have, or needs more words"
+    return e
 
 
 def _unpack(words):
