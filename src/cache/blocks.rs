@@ -1,5 +1,5 @@
-//! Cache files are written in whole, aligned blocks of [`BLOCK`] bytes, so that the page
-//! cache holds them in large folios.
+//! Cache files are written in whole, aligned blocks (`cache.block_size`, [`DEFAULT_BLOCK`]
+//! bytes by default), so that the page cache holds them in large folios.
 //!
 //! A buffered write's folio is at most as large as the write, and aligned to its offset
 //! (Linux 6.x; ext4 since 6.16, XFS since 5.18). Written in 64 KiB pieces (what
@@ -9,16 +9,25 @@
 //! 0.9-1.2 ms (`bench/cache_blocks.py`, `MADV_POPULATE_READ`, 6.18 guest). That was most
 //! of a zero-copy trainer's system time per sample (docs/benchmarks.md, "Touched bytes"). On a kernel or
 //! file system without large folios the writes are merely larger.
+//!
+//! A host that takes back free guest memory (virtio-balloon free page reporting) makes the
+//! first write of each fresh 2 MiB folio fault on the host: there a cold epoch cost 4.6
+//! daemon CPU-s per GB in 2 MiB blocks against 1.6-1.8 in 64 KiB ones, and cached epochs
+//! 0.18-0.21 against 0.25-0.27 (docs/benchmarks.md, "2 MiB cache blocks"). Hence the
+//! setting.
 
 use std::io;
 use std::os::unix::fs::FileExt;
 
-/// The block: a PMD-sized folio with 4 KiB pages (x86-64, arm64), mapped in one fault.
-pub const BLOCK: usize = 2 << 20;
+/// The default block: a PMD-sized folio with 4 KiB pages (x86-64, arm64), mapped in one
+/// fault. Also the largest `cache.block_size`: no folio is larger.
+pub const DEFAULT_BLOCK: usize = 2 << 20;
+/// The smallest `cache.block_size`: what `copy_file_range` wrote before blocks.
+pub const MIN_BLOCK: usize = 64 << 10;
 
-/// The next block boundary after `at` (`at` itself is not one).
-pub fn next_boundary(at: u64) -> u64 {
-    (at / BLOCK as u64 + 1) * BLOCK as u64
+/// The next boundary of `block`-byte blocks after `at` (`at` itself is not one).
+pub fn next_boundary(at: u64, block: usize) -> u64 {
+    (at / block as u64 + 1) * block as u64
 }
 
 /// Writes a file front to back from offset 0, a whole block at a time (the last one may be
@@ -33,10 +42,11 @@ pub struct BlockWriter {
 }
 
 impl BlockWriter {
-    pub fn new(file: std::fs::File) -> Self {
+    /// Writes `file` in blocks of `block` bytes (`cache.block_size`).
+    pub fn new(file: std::fs::File, block: usize) -> Self {
         BlockWriter {
             file,
-            buf: vec![0u8; BLOCK].into_boxed_slice(),
+            buf: vec![0u8; block].into_boxed_slice(),
             len: 0,
             at: 0,
         }
@@ -54,7 +64,7 @@ impl BlockWriter {
         let n = read(room)?.min(room.len());
         seen(&self.buf[self.len..self.len + n]);
         self.len += n;
-        if self.len == BLOCK {
+        if self.len == self.buf.len() {
             self.write_block()?;
         }
         Ok(n)
@@ -78,10 +88,10 @@ impl BlockWriter {
 
 impl io::Write for BlockWriter {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        let n = data.len().min(BLOCK - self.len);
+        let n = data.len().min(self.buf.len() - self.len);
         self.buf[self.len..self.len + n].copy_from_slice(&data[..n]);
         self.len += n;
-        if self.len == BLOCK {
+        if self.len == self.buf.len() {
             self.write_block()?;
         }
         Ok(n)
@@ -97,7 +107,7 @@ impl io::Write for BlockWriter {
 mod tests {
     use std::io::{Read, Seek, Write};
 
-    use super::{BLOCK, BlockWriter, next_boundary};
+    use super::{BlockWriter, DEFAULT_BLOCK, MIN_BLOCK, next_boundary};
 
     fn contents(mut file: std::fs::File) -> Vec<u8> {
         let mut out = Vec::new();
@@ -108,22 +118,29 @@ mod tests {
 
     #[test]
     fn written_through_write_or_fill_a_file_holds_exactly_the_bytes_given() {
-        let data: Vec<u8> = (0..2 * BLOCK + 12345)
+        for block in [MIN_BLOCK, DEFAULT_BLOCK] {
+            written_in_blocks_of(block);
+        }
+    }
+
+    fn written_in_blocks_of(block: usize) {
+        let data: Vec<u8> = (0..2 * block + 12345)
             .map(|i| (i * 7 + i / 4099) as u8)
             .collect();
         // Odd chunk sizes that straddle every block boundary.
-        let mut w = BlockWriter::new(tempfile::tempfile().unwrap());
+        let mut w = BlockWriter::new(tempfile::tempfile().unwrap(), block);
         for chunk in data.chunks(100_003) {
             w.write_all(chunk).unwrap();
         }
         assert_eq!(contents(w.finish().unwrap()), data);
 
-        let mut w = BlockWriter::new(tempfile::tempfile().unwrap());
+        let mut w = BlockWriter::new(tempfile::tempfile().unwrap(), block);
         let (mut at, mut seen) = (0, Vec::new());
         while at < data.len() {
             let n = w
                 .fill(
                     |room| {
+                        assert!(room.len() <= block, "a block's room at most");
                         let n = room.len().min(77_777).min(data.len() - at);
                         room[..n].copy_from_slice(&data[at..at + n]);
                         Ok(n)
@@ -139,7 +156,7 @@ mod tests {
 
     #[test]
     fn a_failed_read_leaves_the_block_as_it_was() {
-        let mut w = BlockWriter::new(tempfile::tempfile().unwrap());
+        let mut w = BlockWriter::new(tempfile::tempfile().unwrap(), MIN_BLOCK);
         w.write_all(b"kept").unwrap();
         let err = w.fill(|_| Err(std::io::Error::other("boom")), |_| {});
         assert_eq!(err.unwrap_err().to_string(), "boom");
@@ -148,8 +165,11 @@ mod tests {
 
     #[test]
     fn boundaries_are_the_next_multiple_of_the_block() {
-        assert_eq!(next_boundary(0), BLOCK as u64);
-        assert_eq!(next_boundary(1), BLOCK as u64);
-        assert_eq!(next_boundary(BLOCK as u64), 2 * BLOCK as u64);
+        for block in [MIN_BLOCK, DEFAULT_BLOCK] {
+            let b = block as u64;
+            assert_eq!(next_boundary(0, block), b);
+            assert_eq!(next_boundary(1, block), b);
+            assert_eq!(next_boundary(b, block), 2 * b);
+        }
     }
 }

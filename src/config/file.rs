@@ -87,6 +87,7 @@ pub struct CacheSection {
     pub revalidate: String,
     pub space_timeout: String,
     pub index_memory: String,
+    pub block_size: String,
 }
 
 impl Default for CacheSection {
@@ -98,6 +99,7 @@ impl Default for CacheSection {
             revalidate: "10m".into(),
             space_timeout: "30s".into(),
             index_memory: "256MiB".into(),
+            block_size: "2MiB".into(),
         }
     }
 }

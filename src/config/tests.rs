@@ -92,6 +92,13 @@ fn bad_values_name_the_key() {
             "[gcs]\ncredentials = \"k.json\"\nanonymous = true",
             "gcs.credentials and gcs.anonymous = true contradict each other",
         ),
+        (
+            "[cache]\nblock_size = \"1MB\"",
+            "cache.block_size must be a power of two from 64KiB to 2MiB, not \"1MB\"",
+        ),
+        ("[cache]\nblock_size = \"32KiB\"", "from 64KiB to 2MiB"),
+        ("[cache]\nblock_size = \"4MiB\"", "from 64KiB to 2MiB"),
+        ("[cache]\nblock_size = \"big\"", "cache.block_size"),
     ] {
         let text = format!("{MINIMAL}\n{extra}\n");
         let err = Config::parse(&text, Path::new("."))
@@ -209,4 +216,16 @@ fn sizes_are_exact_and_case_insensitive() {
         let err = parse_size(bad, "k").unwrap_err().to_string();
         assert!(err.contains("is not a size like"), "{bad:?}: {err}");
     }
+}
+
+#[test]
+fn the_cache_block_size_defaults_to_2_mib_and_takes_powers_of_two_down_to_64_kib() {
+    let block = |extra: &str| {
+        Config::parse(&format!("{MINIMAL}\n{extra}\n"), Path::new("."))
+            .unwrap()
+            .cache_block_size
+    };
+    assert_eq!(block(""), 2 << 20);
+    assert_eq!(block("[cache]\nblock_size = \"64KiB\""), 64 << 10);
+    assert_eq!(block("[cache]\nblock_size = \"512KiB\""), 512 << 10);
 }

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::cache::blocks;
+
 use super::*;
 
 impl FileConfig {
@@ -54,6 +56,14 @@ impl FileConfig {
         let revalidate = parse_duration(&self.cache.revalidate, "cache.revalidate")?;
         let space_timeout = parse_timeout(&self.cache.space_timeout, "cache.space_timeout")?;
         let index_memory = parse_size(&self.cache.index_memory, "cache.index_memory")?;
+        let cache_block_size = parse_size(&self.cache.block_size, "cache.block_size")?;
+        let (min, max) = (blocks::MIN_BLOCK as u64, blocks::DEFAULT_BLOCK as u64);
+        if !cache_block_size.is_power_of_two() || !(min..=max).contains(&cache_block_size) {
+            return Err(invalid(format!(
+                "cache.block_size must be a power of two from 64KiB to 2MiB, not {:?}",
+                self.cache.block_size
+            )));
+        }
         let part_size = parse_size(&self.store.part_size, "store.part_size")?;
         if part_size < 1 << 20 {
             return Err(invalid("store.part_size must be at least 1MiB"));
@@ -104,6 +114,7 @@ impl FileConfig {
             revalidate,
             space_timeout,
             index_memory,
+            cache_block_size: cache_block_size as usize,
             max_downloads: self.store.max_downloads,
             connect_timeout,
             read_timeout,

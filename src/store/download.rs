@@ -28,7 +28,7 @@ use crate::cache::blocks;
 use crate::config::url::ShardUrl;
 
 /// A part gathers its body chunks into batches that end at block boundaries
-/// ([`blocks::BLOCK`], 2 MiB): one message and one `pwritev` each, no copy. The HTTP
+/// (`cache.block_size`, 2 MiB by default): one message and one `pwritev` each, no copy. The HTTP
 /// client's chunks average ~220 KiB here (2.4 k `recv`s and as many `pwrite`s and writer
 /// wake-ups per 0.5 GB, `strace -c` on a cold `cache_bench` epoch), and the page cache keeps
 /// an aligned 2 MiB write as one large folio, which a trainer maps in one fault.
@@ -38,7 +38,7 @@ use crate::config::url::ShardUrl;
 const BATCH_CHUNKS: usize = 512;
 /// Batches queued for the writer: enough to keep the disk busy; with the batch the writer
 /// holds and the one each part is gathering, a download holds at most
-/// (4 + 1 + parts in flight) × 2 MiB of body (18 MiB at the defaults).
+/// (4 + 1 + parts in flight) blocks of body (18 MiB at the defaults).
 const WRITE_QUEUE: usize = 4;
 
 /// Consecutive body chunks of part `part`, to be written from `at`; `md5` when the whole
@@ -74,12 +74,17 @@ impl Chunk {
 struct Batcher {
     range: Range<u64>,
     batch: Chunk,
+    block: usize,
 }
 
 impl Batcher {
-    fn new(part: usize, range: Range<u64>, md5: bool) -> Self {
+    fn new(part: usize, range: Range<u64>, md5: bool, block: usize) -> Self {
         let batch = Chunk::new(part, range.start, md5);
-        Batcher { range, batch }
+        Batcher {
+            range,
+            batch,
+            block,
+        }
     }
 
     /// Takes the part's next chunk (which lies within the part); appends to `ready` the
@@ -87,7 +92,7 @@ impl Batcher {
     fn push(&mut self, mut bytes: Bytes, ready: &mut Vec<Chunk>) {
         debug_assert!(self.batch.end() + bytes.len() as u64 <= self.range.end);
         while !bytes.is_empty() {
-            let block_end = blocks::next_boundary(self.batch.at).min(self.range.end);
+            let block_end = blocks::next_boundary(self.batch.at, self.block).min(self.range.end);
             let room = (block_end - self.batch.end()) as usize;
             let head = bytes.split_to(room.min(bytes.len()));
             self.batch.len += head.len() as u64;
@@ -183,7 +188,7 @@ impl Stores {
         let md5 = single && self.wants_md5(shard, version, reported.as_ref());
         let mut body = got.into_stream();
         let mut at = range.start;
-        let mut batches = Batcher::new(part, range.clone(), md5);
+        let mut batches = Batcher::new(part, range.clone(), md5, self.block_size);
         let mut ready = Vec::new();
         while let Some(chunk) = body.next().await {
             let bytes = chunk.map_err(|e| self.store_error(shard, e))?;
@@ -296,17 +301,23 @@ pub(super) fn combine(crcs: &[u32], lens: &[u64]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::{BATCH_CHUNKS, Batcher, combine, write_all_at};
-    use crate::cache::blocks::BLOCK;
+    use crate::cache::blocks::{DEFAULT_BLOCK, MIN_BLOCK};
 
     #[test]
     fn batches_hold_the_part_exactly_and_end_at_block_boundaries() {
-        let block = BLOCK as u64;
+        for block in [MIN_BLOCK, DEFAULT_BLOCK] {
+            batches_of(block);
+        }
+    }
+
+    fn batches_of(block_size: usize) {
+        let block = block_size as u64;
         // A part that starts and ends mid-block, fed in odd chunks, some larger than a block.
         let range = 3 * block + 5..9 * block - 77;
         let data: Vec<u8> = (0..range.end - range.start)
             .map(|i| (i % 251) as u8)
             .collect();
-        let mut batcher = Batcher::new(3, range.clone(), false);
+        let mut batcher = Batcher::new(3, range.clone(), false, block_size);
         let mut batches = Vec::new();
         let mut rest = &data[..];
         let mut n = 0usize;
@@ -336,7 +347,7 @@ mod tests {
         assert_eq!(batches.len(), 6); // the head, 4 whole blocks, the tail
 
         // Tiny chunks: a batch is sent early at BATCH_CHUNKS chunks.
-        let mut batcher = Batcher::new(0, 0..block, false);
+        let mut batcher = Batcher::new(0, 0..block, false, block_size);
         let mut batches = Vec::new();
         for _ in 0..BATCH_CHUNKS + 1 {
             batcher.push(bytes::Bytes::from_static(b"x"), &mut batches);

@@ -54,17 +54,18 @@ pub(super) fn write(path: &Path, url: &ShardUrl, bytes: &[u8]) -> Result<(), Rea
 /// Copies exactly `version` of a local file; a file that changed size, inode or mtime
 /// before or during the copy is an error (the cache then holds no mixed copy). Returns the
 /// copy's CRC-32C, which the cache records to check the entry when a restarted daemon first
-/// serves it.
+/// serves it. `block`: `cache.block_size`.
 pub(super) fn copy(
     src: &Path,
     url: &ShardUrl,
     version: &Version,
     dst: std::fs::File,
+    block: usize,
 ) -> Result<u32, ReadError> {
     /// Bytes read at once: small enough that the checksum finds them in the CPU's cache.
     const PIECE: usize = 256 << 10;
     let file = std::fs::File::open(src).map_err(ReadError::io(url, "opening the file"))?;
-    let mut out = BlockWriter::new(dst);
+    let mut out = BlockWriter::new(dst, block);
     let (mut crc, mut copied) = (0u32, 0u64);
     while copied < version.size {
         let want = PIECE.min((version.size - copied) as usize);

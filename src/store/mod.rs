@@ -115,6 +115,8 @@ pub struct Stores {
     buckets: BTreeMap<(&'static str, String), Bucket>,
     part_size: u64,
     parts_in_flight: usize,
+    /// `cache.block_size`: how cache files are written ([`crate::cache::blocks`]).
+    block_size: usize,
     downloads: Semaphore,
     verify: Verify,
     credentials_timeout: Duration,
@@ -150,6 +152,7 @@ impl Stores {
             buckets,
             part_size: config.part_size,
             parts_in_flight: config.parts_in_flight,
+            block_size: config.cache_block_size,
             downloads: Semaphore::new(config.max_downloads),
             verify: config.verify,
             credentials_timeout: config.credentials_timeout,
@@ -175,6 +178,11 @@ impl Stores {
     }
 
     /// The shard's current version: a HEAD request, or a `stat` of a local file.
+    /// `cache.block_size`: the size of the writes of a cache file.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     pub async fn version(&self, shard: &ShardUrl) -> Result<Version, ReadError> {
         let (store, path) = match self.source(shard) {
             Source::Object { store, path } => (store, path),
@@ -270,7 +278,9 @@ impl Stores {
             }
             Source::Local(src) => {
                 let (src, url, v) = (src.to_path_buf(), shard.clone(), version.clone());
-                let crc32c = blocking(shard, move || local::copy(&src, &url, &v, file)).await?;
+                let block = self.block_size;
+                let crc32c =
+                    blocking(shard, move || local::copy(&src, &url, &v, file, block)).await?;
                 let received = verify::Received { crc32c, md5: None };
                 (received, None, true)
             }

@@ -385,3 +385,21 @@ def test_warm_fills_the_share_a_manifest_datasets_streams_read(make_daemon, fake
                            for e in (0, 1) for rank in (2, 3))
     assert read_by_host > 0
     assert gets(d) == 0
+
+
+def test_cache_files_written_in_64_kib_blocks_hold_the_shards(make_daemon, fake_gcs, train_paths):
+    """`cache.block_size = "64KiB"` (for hosts that take back free memory, config.example.toml):
+    downloads (their parts cut at 64 KiB boundaries) and local copies fill the cache with the
+    store's bytes, as in 2 MiB blocks."""
+    local = ", ".join(f'"{p}"' for p in train_paths)
+    d = make_daemon(gcs_config(fake_gcs, extra=f"[datasets.local]\nshards = [{local}]\n"),
+                    cache='block_size = "64KiB"')
+    assert read(d) == reference_samples(train_paths)
+    assert read(d, "local") == reference_samples(train_paths)
+    big = read(d, "big")
+    assert {k: v["bin"] for k, v in big.items()} == {f"big{i}": big_payload(i)
+                                                     for i in range(BIG_SHARDS)}
+    d.stop()
+    d.start()  # what was written is what a restarted daemon checks against its CRC-32C
+    assert read(d) == reference_samples(train_paths)
+    assert gets(d) == 0 and d.metric("shardd_cache_verify_failures_total") == 0
