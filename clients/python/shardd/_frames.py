@@ -3,8 +3,8 @@ and BATCH frames into samples (their descriptor words into samples: ``_decode``)
 of streams, positions or reconnects, so the per-sample code stays with the frames.
 
 Speed matters here: the trainer's Python process is where every sample ends up. A whole
-batch's descriptor words are taken as one ``bytes`` object and decoded in one call; a batch of small pieces
-(keys, labels, 10 KB images) is received as one ``bytes`` object and cut with slices; large
+batch's descriptor words are taken as one ``bytes`` object and decoded in one call; a batch of
+small pieces (keys, labels, 10 KB images) is received as one ``bytes`` object and cut; large
 pieces (at least ``DIRECT_MIN`` bytes) are received straight into their own ``bytes`` object
 with ``MSG_WAITALL``, so the kernel copies them exactly once. Reads are bounded so the buffer
 never runs ahead into a large piece.
@@ -292,7 +292,9 @@ class FrameReader:
         lengths = []
         i = 0
         for _ in range(n):
-            head = words[i] if i + 1 < len(words) else 0xFFFF
+            if i + 1 >= len(words):
+                raise malformed(self.path, "its samples need more descriptor words than it has")
+            head = words[i]
             fields = words[i + 2 : i + 2 + 2 * (head >> 16)]
             if (len(fields) < 2 * (head >> 16) or head & 0xFFFF >= len(urls)
                     or any(name >= len(names) for name in fields[::2])):
