@@ -8,7 +8,8 @@
 //! shared library the wheel carries as `shardd/libshardd_decode.so`, and the client loads it
 //! with `ctypes.PyDLL` (the GIL held, Python's error indicator checked after each call). So it
 //! has no dependencies and declares the few CPython functions it calls itself: all in the
-//! stable ABI, so one library serves every Python 3 the client supports.
+//! stable ABI, so one library serves CPython 3.8 and newer (PyPy and free-threaded builds
+//! decode in Python).
 //!
 //! Hostile input is the daemon's problem, not the trainer's: every index into the words, the
 //! payload and the name and URL tables is checked against the frame, and a batch that does not
