@@ -9,7 +9,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "clients" / "python"))
 
-if "SHARDD_DECODER" not in os.environ:
+if not os.environ.get("SHARDD_DECODER"):  # as tests/python/conftest.py: empty is unset
     built = sorted(ROOT.glob("target/*/build/shardd-*/out/libshardd_decode.so"),
                    key=lambda p: p.stat().st_mtime)
     if built:

@@ -1,5 +1,5 @@
 """The conformance matrix (issue 23): every promise in every combination of dataset mode,
-delivery, reader and event.
+delivery, reader, event and the client's decoder.
 
 A cell reads one epoch of a 2-rank job (1 host) through one reader while one event happens
 after its fifth sample. Its oracle is the same cell read without the event (the same samples,
@@ -33,6 +33,9 @@ MODES = ["shards", "manifest", "mix", "resampled", "tgz", "zst"]
 DELIVERIES = ["socket", "zero_copy"]
 READERS = ["client", "torch", "stateful", "grain", "pipe"]
 EVENTS = ["none", "pause", "slow", "kill9", "restart", "resume", "elastic", "budget", "deleted"]
+# The client's batch decoder: the wheel's compiled one, or the pure-Python one of the
+# client-only distribution (shardd/_decode.py).
+DECODERS = ["compiled", "python"]
 
 SHARDS, PER_SHARD = 24, 20
 WORLD, SEED, EPOCH, AT = 2, 3, 0, 5
@@ -46,14 +49,15 @@ MIX_AT = 240
 SHARD_BYTES = PER_SHARD * 100_000
 
 
-def applies(mode, delivery, reader, event):
+def applies(mode, delivery, reader, event, decoder):
     """Whether a cell means something. An elastic resume is a Client's request (the adapters
     resume at their own topology); only the stateful readers save a state to resume from.
     `pipe` is webdataset reading `pipe:shardd get URL` (whole shards, in tar order): it reads
     plain datasets' shards, always as a descriptor of the cache file (zero copy), and has no
-    resume of its own."""
+    resume of its own, nor the client's decoder."""
     if reader == "pipe":
-        return mode in ("shards", "tgz", "zst") and delivery == "zero_copy" and event not in ("resume", "elastic")
+        return (mode in ("shards", "tgz", "zst") and delivery == "zero_copy"
+                and event not in ("resume", "elastic") and decoder == "compiled")
     if event == "elastic" and reader != "client":
         return False
     if event == "resume" and reader == "torch":
@@ -79,8 +83,8 @@ def covering(axes, valid):
 
 
 FULL = os.environ.get("SHARDD_MATRIX") == "full"
-CELLS = ([c for c in itertools.product(MODES, DELIVERIES, READERS, EVENTS) if applies(*c)] if FULL
-         else covering([MODES, DELIVERIES, READERS, EVENTS], applies))
+AXES = [MODES, DELIVERIES, READERS, EVENTS, DECODERS]
+CELLS = ([c for c in itertools.product(*AXES) if applies(*c)] if FULL else covering(AXES, applies))
 RESULTS = {}
 
 
@@ -315,8 +319,10 @@ class Trigger:
 def start_daemon(make_daemon, data, event, tag):
     # Two thirds of the dataset: every epoch evicts. (A compressed shard's load holds its
     # download and its tar at once, and two workers load at once: fewer shards than this can
-    # run out of room on the socket path as well.)
-    cache = f'max_size = "{16 * SHARD_BYTES}"\n' if event == "budget" else ""
+    # run out of room on the socket path as well.) Written in the smallest blocks
+    # (`cache.block_size`): what an operator whose host takes back memory runs.
+    cache = (f'max_size = "{16 * SHARD_BYTES}"\nblock_size = "64KiB"\n' if event == "budget"
+             else "")
     return make_daemon(data["body"], name=tag, server='stall_timeout = "1s"', cache=cache)
 
 
@@ -409,16 +415,23 @@ def elastic_cell(d, mode, delivery, data):
 BASELINES = {}
 
 
-@pytest.mark.parametrize("mode,delivery,reader,event", CELLS, ids=["-".join(c) for c in CELLS])
-def test_cell(make_daemon, data, mode, delivery, reader, event):
-    cell = (mode, delivery, reader, event)
+@pytest.mark.parametrize("mode,delivery,reader,event,decoder", CELLS,
+                         ids=["-".join(c) for c in CELLS])
+def test_cell(make_daemon, data, mode, delivery, reader, event, decoder, monkeypatch):
+    cell = (mode, delivery, reader, event, decoder)
     RESULTS[cell] = "FAILED"
+    if decoder == "python":  # DataLoader workers fork: they inherit it
+        from shardd import _decode
+
+        monkeypatch.setattr(_decode, "_compiled", None)
+        monkeypatch.setenv("SHARDD_DECODER", "python")
     d = start_daemon(make_daemon, data, event, "cell")
     if event == "elastic":
         RESULTS[cell] = elastic_cell(d, mode, delivery, data)
         return
     got = read_job(d, data, mode, delivery, reader, event)
     check_contract(mode, got, data, streams=2 if reader in ("torch", "stateful") else 1)
+    # The baseline may come from a cell of the other decoder: the same samples either way.
     base = BASELINES.get((mode, delivery, reader))
     if base is None and event != "none":
         base = read_job(start_daemon(make_daemon, data, "none", "base"), data, mode, delivery, reader, "none")
@@ -434,7 +447,8 @@ def matrix_table():
     if not RESULTS:
         return None
     lines = [f"conformance matrix: {len(RESULTS)} cells ({'full' if FULL else 'every pair of values'})",
-             "| mode | delivery | reader | event | result |", "|---|---|---|---|---|"]
+             "| mode | delivery | reader | event | decoder | result |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {' | '.join(c)} | {r} |" for c, r in sorted(RESULTS.items())]
     text = "\n".join(lines)
     out = os.environ.get("SHARDD_MATRIX_TABLE")
