@@ -9,10 +9,13 @@ import socket
 import struct
 import threading
 import time
+import types
 import weakref
 
 import pytest
 import shardd
+import shardd._readahead
+from shardd._readahead import READAHEAD, ReadingAhead
 from shardd.client import KIND_START, PREAMBLE
 
 from conftest import BIG_SAMPLE, BIG_SHARDS, gcs_config, wait_for
@@ -325,11 +328,82 @@ def test_shardd_torch_takes_the_next_epoch_opened_ahead(make_daemon, fake_gcs):
     assert streams(d) == 2 + 3  # the two reference reads; epochs 0, 1 and 2 (ahead)
 
 
+class ScriptedReads(ReadingAhead):
+    """``ReadingAhead``'s decision on its own: each batch's read takes and waits in the kernel
+    the seconds the script says, on a clock the test moves (no real time, no daemon)."""
+
+    def __init__(self, clock, zero_copy, script):
+        self._init_readahead(readahead=READAHEAD, prefetch=None, speculative=False)
+        self._frames = types.SimpleNamespace(
+            zero_copy=types.SimpleNamespace(waited=0.0) if zero_copy else None)
+        self.reconnects = 0
+        self._clock, self._script, self.threaded_from = clock, iter(script), None
+
+    def _fetch(self):
+        took, waited = next(self._script)
+        self._clock.now += took
+        if self._frames.zero_copy is not None:
+            self._frames.zero_copy.waited += waited
+        return ["batch"]
+
+    def _start_thread(self):
+        self._queue = "started"
+
+    def _take_batch(self):
+        return self._fetch()
+
+
+def thread_from(monkeypatch, zero_copy, work, script):
+    """The batch (1-based) from which the stream reads on a thread, or None: the caller works
+    ``work`` seconds between batches; ``script`` is each read's (seconds, seconds waited)."""
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(shardd._readahead, "time",
+                        types.SimpleNamespace(perf_counter=lambda: clock.now))
+    s = ScriptedReads(clock, zero_copy, script)
+    for n in range(1, len(script) + 1):
+        if s._queue is None:
+            s._read_here()
+            if s._queue is not None:
+                return n
+        else:
+            s._take_batch()
+        clock.now += work
+    return None
+
+
+WINDOW = (0.5, 0.5)  # the first read: the daemon fills the stream's shuffle window
+
+
 def test_a_zero_copy_stream_whose_reads_do_not_wait_keeps_them_on_the_callers_thread(
-        make_daemon, fake_gcs):
+        monkeypatch):
     """A zero-copy batch is decoded under the GIL, so a thread could only take turns with the
-    caller: from a warm cache its reads do not wait, and however long the caller works between
-    batches the stream goes on reading on the caller's thread, with the same samples."""
+    caller: reads that do not wait for the daemon stay on the caller's thread however long
+    the caller works between batches, and the first read (the shuffle window) does not
+    count. Reads that mostly wait get the thread once the caller works as long as a read takes;
+    the socket path needs only the latter."""
+    warm = [WINDOW] + [(0.0002, 0.00002)] * 40
+    assert thread_from(monkeypatch, True, work=0.01, script=warm) is None
+    assert thread_from(monkeypatch, True, work=10.0, script=warm) is None
+    waiting = [WINDOW] + [(0.02, 0.019)] * 40
+    assert thread_from(monkeypatch, True, work=0.03, script=waiting) == 3
+    assert thread_from(monkeypatch, True, work=0.01, script=waiting) is None  # works less
+    # More than half waiting is enough; the reads so far decide (a cold stretch after warm
+    # reads gets the thread once its waits outweigh them).
+    assert thread_from(monkeypatch, True, work=0.02,
+                       script=[WINDOW] + [(0.01, 0.006)] * 40) == 3
+    assert thread_from(monkeypatch, True, work=0.02,
+                       script=[WINDOW] + [(0.01, 0.004)] * 40) is None
+    assert thread_from(monkeypatch, True, work=0.05,
+                       script=[WINDOW] + [(0.001, 0.0)] * 9 + [(0.04, 0.04)] * 30) == 12
+    assert thread_from(monkeypatch, False, work=0.0002, script=warm) == 3  # the socket path
+    assert thread_from(monkeypatch, False, work=0.0001, script=warm) is None
+
+
+def test_a_zero_copy_stream_reads_the_same_samples_whichever_thread_reads_it(
+        make_daemon, fake_gcs):
+    """From a warm cache, with a caller that works between batches: the same samples as a
+    plain read, and a thread only if the stream's reads had mostly waited for the daemon (on
+    a busy machine a descheduled daemon can make them; the rule itself is pinned above)."""
     d = make_daemon(gcs_config(fake_gcs))
     want = read(d.socket)  # and the cache is warm
 
@@ -343,7 +417,8 @@ def test_a_zero_copy_stream_whose_reads_do_not_wait_keeps_them_on_the_callers_th
             got.append(copied(x))
             time.sleep(0.0005)  # the trainer's work: a batch's is far longer than its read
         assert s._frames.zero_copy is not None
-        assert s._thread is None
+        took, waited = s._reads  # as they were when the thread, if any, took over
+        assert s._thread is None or waited >= took / 2, (took, waited)
     assert fields(got) == fields(want)
 
 
