@@ -369,8 +369,33 @@ pub fn check(
     origin: &Origin,
     hosts: u32,
 ) -> Verification {
-    let mut ledgers: BTreeMap<&str, Ledger> = ids
-        .iter()
+    let mut ledgers = ledgers(ids, r.drop_allowance);
+    let mut breaches = Vec::new();
+    mark_epoch(r, ids, &mut ledgers);
+    mark_delivered(r, ids, &mut ledgers);
+    let (counts, mix_bound) = read_new(r, ids, &mut ledgers, &mut breaches);
+    let sources = close(ledgers, &mut breaches);
+    check_totals(r, &sources, &mut breaches);
+    Verification {
+        dataset: dataset.to_string(),
+        from: origin.clone(),
+        hosts,
+        ranks: r.ranks,
+        workers: r.workers,
+        sources,
+        counts,
+        mix_bound,
+        planned_dropped: r.planned_dropped,
+        planned_remainder: r.planned_remainder,
+        breaches,
+    }
+}
+
+type Ledgers<'a> = BTreeMap<&'a str, Ledger>;
+
+/// An empty ledger per dataset, in bits.
+fn ledgers(ids: &BTreeMap<String, Ids>, drop_allowance: u64) -> Ledgers<'_> {
+    ids.iter()
         .map(|(name, d)| {
             let check = SourceCheck {
                 dataset: name.clone(),
@@ -380,7 +405,7 @@ pub fn check(
                 duplicates: 0,
                 foreign: 0,
                 unread: 0,
-                drop_allowance: r.drop_allowance,
+                drop_allowance,
             };
             let ledger = Ledger {
                 expected: Marks::bits(d.total),
@@ -389,37 +414,13 @@ pub fn check(
             };
             (name.as_str(), ledger)
         })
-        .collect();
-    let mut breaches = Vec::new();
-    // The epoch: every base stream whole. A dataset whose epoch reads a sample twice is
-    // marked again with counters.
-    let mark_epoch = |ledgers: &mut BTreeMap<&str, Ledger>, only: Option<&str>| {
-        let mut repeated = Vec::new();
-        for plan in &r.epoch {
-            for lane in &plan.lanes {
-                if only.is_some_and(|o| o != lane.dataset) {
-                    continue;
-                }
-                let l = ledgers
-                    .get_mut(lane.dataset.as_str())
-                    .expect("a known dataset");
-                let d = &ids[&lane.dataset];
-                let mut again = 0;
-                for run in &lane.runs {
-                    let to = run.to.unwrap_or(0);
-                    run_ids(&run.plan, run.from, to, d, &mut |a, b| {
-                        again += l.expected.range(a, b)
-                    });
-                    l.check.epoch += to - run.from;
-                }
-                if again > 0 {
-                    repeated.push(lane.dataset.clone());
-                }
-            }
-        }
-        repeated
-    };
-    let mut repeated = mark_epoch(&mut ledgers, None);
+        .collect()
+}
+
+/// The epoch: every base stream whole. A dataset whose epoch reads a sample twice is marked
+/// again, with counters.
+fn mark_epoch(r: &Replay, ids: &BTreeMap<String, Ids>, ledgers: &mut Ledgers) {
+    let mut repeated = mark_epoch_of(r, ids, ledgers, None);
     repeated.sort();
     repeated.dedup();
     for name in &repeated {
@@ -427,9 +428,47 @@ pub fn check(
         let n = ids[name].total as usize;
         (l.expected, l.got) = (Marks::Counts(vec![0; n]), Marks::Counts(vec![0; n]));
         l.check.epoch = 0;
-        mark_epoch(&mut ledgers, Some(name));
+        mark_epoch_of(r, ids, ledgers, Some(name));
     }
-    // What the old streams delivered, then what the new ones read.
+}
+
+/// Marks the epoch's samples of every dataset (or `only` one); returns the datasets whose
+/// epoch marked a sample already marked.
+fn mark_epoch_of(
+    r: &Replay,
+    ids: &BTreeMap<String, Ids>,
+    ledgers: &mut Ledgers,
+    only: Option<&str>,
+) -> Vec<String> {
+    let mut repeated = Vec::new();
+    for plan in &r.epoch {
+        for lane in &plan.lanes {
+            if only.is_some_and(|o| o != lane.dataset) {
+                continue;
+            }
+            let l = ledgers
+                .get_mut(lane.dataset.as_str())
+                .expect("a known dataset");
+            let d = &ids[&lane.dataset];
+            let mut again = 0;
+            for run in &lane.runs {
+                let to = run.to.unwrap_or(0);
+                run_ids(&run.plan, run.from, to, d, &mut |a, b| {
+                    again += l.expected.range(a, b)
+                });
+                l.check.epoch += to - run.from;
+            }
+            if again > 0 {
+                repeated.push(lane.dataset.clone());
+            }
+        }
+    }
+    repeated
+}
+
+/// What the old streams delivered: the base epoch's streams and each later hop's, up to
+/// their checkpoint positions.
+fn mark_delivered(r: &Replay, ids: &BTreeMap<String, Ids>, ledgers: &mut Ledgers) {
     let hops = r.epoch.iter().zip(&r.epoch_delivered);
     for (plan, n) in hops.chain(r.delivered.iter().map(|(p, n)| (p, n))) {
         for (lane, run, a, b) in prefix(plan, *n) {
@@ -441,6 +480,16 @@ pub fn check(
             l.check.delivered += b - a;
         }
     }
+}
+
+/// What the new streams read: marked in the ledgers, with their counts per rank and worker
+/// and, for a mix, the prefix bound, each breach of those named.
+fn read_new(
+    r: &Replay,
+    ids: &BTreeMap<String, Ids>,
+    ledgers: &mut Ledgers,
+    breaches: &mut Vec<String>,
+) -> (Counts, Option<MixBound>) {
     let (ranks, workers) = (r.ranks as usize, r.workers as usize);
     let mut rank_totals = Vec::new();
     let mut per_worker = vec![(u64::MAX, 0u64); workers];
@@ -478,30 +527,7 @@ pub fn check(
                     l.check.read += to - run.from;
                 }
             }
-            if let Some(i) = &plan.mix {
-                let lens: Vec<u64> = plan.lanes.iter().map(|l| lane_len(&l.runs)).collect();
-                let worst = mix_worst(&i.mix, i.key, &lens);
-                let d = (lens.len() as u64).next_power_of_two().trailing_zeros() as u64;
-                let b = bound.get_or_insert(MixBound {
-                    bound: d,
-                    worst: 0.0,
-                });
-                b.bound = b.bound.max(d);
-                if worst.is_nan() {
-                    breaches.push(format!(
-                        "mix: {}: its interleave does not end at its lanes' lengths {lens:?}",
-                        who()
-                    ));
-                } else {
-                    if worst > d as f64 + 1e-9 {
-                        breaches.push(format!(
-                            "mix bound: {}: a prefix is {worst:.3} samples off its share, more than ±{d}",
-                            who()
-                        ));
-                    }
-                    b.worst = b.worst.max(worst);
-                }
-            }
+            check_mix(plan, &who, &mut bound, breaches);
         }
     }
     let counts = Counts {
@@ -522,6 +548,44 @@ pub fn check(
             ));
         }
     }
+    (counts, bound)
+}
+
+/// A new stream's interleave, if it mixes, against the prefix bound, folded into `bound`.
+fn check_mix(
+    plan: &Plan,
+    who: &dyn Fn() -> String,
+    bound: &mut Option<MixBound>,
+    breaches: &mut Vec<String>,
+) {
+    let Some(i) = &plan.mix else { return };
+    let lens: Vec<u64> = plan.lanes.iter().map(|l| lane_len(&l.runs)).collect();
+    let worst = mix_worst(&i.mix, i.key, &lens);
+    let d = (lens.len() as u64).next_power_of_two().trailing_zeros() as u64;
+    let b = bound.get_or_insert(MixBound {
+        bound: d,
+        worst: 0.0,
+    });
+    b.bound = b.bound.max(d);
+    if worst.is_nan() {
+        breaches.push(format!(
+            "mix: {}: its interleave does not end at its lanes' lengths {lens:?}",
+            who()
+        ));
+    } else {
+        if worst > d as f64 + 1e-9 {
+            breaches.push(format!(
+                "mix bound: {}: a prefix is {worst:.3} samples off its share, more than ±{d}",
+                who()
+            ));
+        }
+        b.worst = b.worst.max(worst);
+    }
+}
+
+/// Each dataset's tally, with its duplicates, foreign reads and skips past the allowance
+/// named.
+fn close(ledgers: Ledgers, breaches: &mut Vec<String>) -> Vec<SourceCheck> {
     let mut sources = Vec::new();
     for (name, mut l) in ledgers {
         let (foreign, unread, dup) = tally(&l.expected, &l.got);
@@ -552,6 +616,11 @@ pub fn check(
         }
         sources.push(l.check);
     }
+    sources
+}
+
+/// The plans' own accounts (samples dropped, samples left) against the replay's.
+fn check_totals(r: &Replay, sources: &[SourceCheck], breaches: &mut Vec<String>) {
     let unread: u64 = sources.iter().map(|s| s.unread).sum();
     if unread != r.planned_dropped {
         breaches.push(format!(
@@ -570,19 +639,6 @@ pub fn check(
             "remainder: the plans report {p} samples left at the checkpoint, the replay finds {}",
             left.saturating_sub(r.earlier_dropped)
         ));
-    }
-    Verification {
-        dataset: dataset.to_string(),
-        from: origin.clone(),
-        hosts,
-        ranks: r.ranks,
-        workers: r.workers,
-        sources,
-        counts,
-        mix_bound: bound,
-        planned_dropped: r.planned_dropped,
-        planned_remainder: r.planned_remainder,
-        breaches,
     }
 }
 
