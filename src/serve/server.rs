@@ -419,7 +419,7 @@ async fn run_stream(
         lanes: planned
             .lanes
             .into_iter()
-            .map(|l| stream::Lane {
+            .map(|l| stream::ResolvedLane {
                 dataset: &config.datasets[&l.dataset],
                 runs: l.runs,
                 next_epoch: l.next_epoch,

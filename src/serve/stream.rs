@@ -73,8 +73,9 @@ pub enum StreamError {
     PastEnd { start: u64, samples: u64 },
 }
 
-/// What a stream reads of one dataset: runs of its streams, in order.
-pub struct Lane<'a> {
+/// A planned lane (`plan::request::Lane`) with its dataset's config looked up: what a stream
+/// reads of one dataset, runs of its streams in order.
+pub struct ResolvedLane<'a> {
     pub dataset: &'a Dataset,
     pub runs: Vec<Run>,
     /// The shards the same stream reads of it next epoch (dataset indices), for the
@@ -91,7 +92,7 @@ pub fn run_pieces(run: &Run, window: usize) -> Vec<Piece> {
 /// One stream to serve.
 pub struct Job<'a> {
     /// One lane, or a mix's sources (interleaved by `mix`).
-    pub lanes: Vec<Lane<'a>>,
+    pub lanes: Vec<ResolvedLane<'a>>,
     pub mix: Option<crate::plan::request::Interleave>,
     /// Samples get `__source__` (a mix's, even when one source is left to read).
     pub tag_sources: bool,
@@ -463,7 +464,7 @@ fn send_failed(e: SendError) -> StreamError {
 fn open_schedule(
     ctx: &StreamContext,
     job: &Job<'_>,
-    lane: &Lane<'_>,
+    lane: &ResolvedLane<'_>,
     pieces: impl Iterator<Item = Piece>,
 ) -> ScheduleHandle {
     let shards = &lane.dataset.shards;

@@ -8,7 +8,7 @@ use super::*;
 /// through its own shard reader and window order.
 pub(super) struct LaneReader<'a> {
     pub(super) ctx: &'a StreamContext,
-    pub(super) lane: &'a Lane<'a>,
+    pub(super) lane: &'a ResolvedLane<'a>,
     /// The run being read, and its reader and order.
     pub(super) run: usize,
     pub(super) at: u64,
@@ -27,7 +27,7 @@ impl<'a> LaneReader<'a> {
     pub(super) fn new(
         ctx: &'a StreamContext,
         job: &Job<'a>,
-        lane: &'a Lane<'a>,
+        lane: &'a ResolvedLane<'a>,
         at: u64,
         opened_at: u64,
         counts: &'a mut [Option<u64>],
@@ -97,7 +97,7 @@ impl<'a> LaneReader<'a> {
 }
 
 /// The run of `lane` that holds lane position `at`, and the base position there.
-pub(super) fn locate(lane: &Lane<'_>, mut at: u64) -> (usize, u64) {
+pub(super) fn locate(lane: &ResolvedLane<'_>, mut at: u64) -> (usize, u64) {
     let mut run = 0;
     while let Some(len) = lane.runs.get(run).and_then(Run::len)
         && at >= len
@@ -114,7 +114,7 @@ pub(super) fn locate(lane: &Lane<'_>, mut at: u64) -> (usize, u64) {
 pub(super) fn open_run<'a>(
     ctx: &'a StreamContext,
     job: &Job<'a>,
-    lane: &'a Lane<'a>,
+    lane: &'a ResolvedLane<'a>,
     k: usize,
     from: u64,
     counts: &'a mut [Option<u64>],
