@@ -216,6 +216,9 @@ async fn serve(
     if req.zero_copy {
         planned.start.zero_copy = Some(zero_copy);
     }
+    // Counted from before its START until after its outcome: a client that has START, or
+    // END, finds its stream in `streams_active` or in `streams_total`, never in neither.
+    let _active = (req.op != "plan").then(|| Active::new(&daemon.streams.metrics.streams_active));
     protocol::write_json(wr, Kind::Start, &planned.start)
         .await
         .map_err(|e| refuse("client_gone", e.to_string()))?;
@@ -397,7 +400,6 @@ async fn run_stream(
         shutdown,
     } = conn;
     let config = &daemon.config;
-    let _active = Active::new(&daemon.streams.metrics.streams_active);
     let registered = daemon.board.register(
         &req.dataset,
         req.epoch,

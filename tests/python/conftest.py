@@ -285,12 +285,13 @@ class Daemon:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/status", timeout=5) as r:
             return json.load(r)
 
-    def metric(self, name):
+    def metric(self, name, scrape=None):
         """One series (``name`` with its labels, as exported), or the sum of a family's series
-        (``name`` alone: e.g. every dataset's)."""
+        (``name`` alone: e.g. every dataset's); from ``scrape`` (``metrics()``'s text) if given,
+        so that several series come from one moment."""
         values = [
             float(line.rsplit(" ", 1)[1])
-            for line in self.metrics().splitlines()
+            for line in (scrape or self.metrics()).splitlines()
             if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{"))
         ]
         if not values:
@@ -362,8 +363,8 @@ class CuttingProxy:
     connection: the fault (a download cut mid-body) that the real server never makes.
     With ``rate`` (bytes/s) it also sends every response at that pace, so downloads are
     still in flight when a test acts. With ``hold`` (a function of the request line) it holds
-    the GETs it is true of until ``release`` is set: a store whose next objects come when the
-    test says."""
+    the GETs it is true of until ``release`` is set, before asking the store: a store whose
+    next objects (or parts) come when the test says."""
 
     def __init__(self, upstream_port, match="", cuts=0, rate=None, hold=None):
         import socketserver
@@ -386,20 +387,21 @@ class CuttingProxy:
                 ]
                 host = f"Host: 127.0.0.1:{upstream_port}".encode()
                 request = b"\r\n".join(lines[:1] + [host, b"Connection: close"] + lines[1:])
+                target = urllib.parse.unquote_to_bytes(lines[0])  # object_store escapes '/' and '-'
+                if hold is not None and target.startswith(b"GET") and hold(target):
+                    # Held before it reaches the store: what it gets is what the store holds
+                    # once released. A test that never releases fails on its own, not hangs here.
+                    proxy.release.wait(DEADLINE)
                 with socket.create_connection(("127.0.0.1", upstream_port)) as up:
                     up.sendall(request)
                     response = b""
                     while chunk := up.recv(1 << 20):
                         response += chunk
-                target = urllib.parse.unquote_to_bytes(lines[0])  # object_store escapes '/' and '-'
                 with proxy.lock:
                     cut = (
                         proxy.cuts_left > 0 and proxy.match in target and target.startswith(b"GET")
                     )
                     proxy.cuts_left -= cut
-                if hold is not None and target.startswith(b"GET") and hold(target):
-                    # A test that never releases fails on its own, not hangs here.
-                    proxy.release.wait(DEADLINE)
                 if cut:
                     end = response.index(b"\r\n\r\n") + 4
                     response = response[: end + (len(response) - end) // 2]

@@ -3,6 +3,7 @@ A host downloads its share once per job, within a hard disk budget, verified, ac
 restarts and kill -9; nothing it does not trust is served."""
 
 import concurrent.futures
+import itertools
 import os
 import pathlib
 import random
@@ -251,7 +252,10 @@ def test_an_object_replaced_mid_download_is_never_served_mixed(
         endpoint, url, env = s3_endpoint, "s3://bkt3/midway/m.tar", S3_ENV
         replace = lambda sample: s3.put_object(Bucket="bkt3", Key="midway/m.tar", Body=tar_of([sample]))  # noqa: E731
     replace(old)
-    slow = cutting_proxy(rate=1 << 20, upstream=endpoint)  # a 1 MiB part takes a second
+    # A 1 MiB part takes a second; every GET after the first (the later parts) waits for the
+    # test to have replaced the object.
+    gets_seen = itertools.count()
+    slow = cutting_proxy(rate=1 << 20, upstream=endpoint, hold=lambda target: next(gets_seen) > 0)
     if store == "gcs":
         section = f'[gcs]\nendpoint = "{slow.endpoint}"\nanonymous = true\n'
     else:
@@ -267,6 +271,7 @@ def test_an_object_replaced_mid_download_is_never_served_mixed(
         # the second part is asked for only once the first has arrived.
         wait_for(lambda: d.metric("shardd_store_bytes_total") >= 256 << 10, "the first part to arrive")
         replace(new)
+        slow.release.set()
         assert reading.result(timeout=60) == {"m": {"bin": new["bin"]}}
     refused = d.metric('shardd_store_errors_total{kind="changed"}')
     mixed = d.metric("shardd_cache_verify_failures_total")

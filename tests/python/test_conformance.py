@@ -273,9 +273,11 @@ class Trigger:
 
     def __call__(self, n):
         if self.slow_left:
-            # A slow, steady reader: takes a sample every 20 ms for a while (not a pause).
+            # A slow, steady reader: takes a sample every 10 ms for 1.5 s (longer than the
+            # stall timeout, 1 s; a pause it is not: a torch worker's stream gives up a batch
+            # every ~20 of the trainer's samples, 0.2 s, 5x inside the stall timeout).
             self.slow_left -= 1
-            time.sleep(0.02)
+            time.sleep(0.01)
         if self.fired or n != AT:
             return
         self.fired = True
@@ -286,7 +288,7 @@ class Trigger:
             wait_for(lambda: all(s["waiting_on"] == "parked" for s in d.status()["streams"]),
                      "the paused streams to park or finish")
         elif self.event == "slow":
-            self.slow_left = 60
+            self.slow_left = 150
         elif self.event == "kill9":
             d.kill()
             d.start()

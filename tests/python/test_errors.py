@@ -395,10 +395,11 @@ def test_a_timeout_is_a_shardd_error(fake):
         conn.recv(1)  # until the client leaves
 
     f = fake(silent_after_start)
-    stream = shardd.Client(f.path, timeout=0.2).stream("fake", epoch=0, rank=0, world_size=1)
+    # 1 s: the handshake is under the same timeout, answered by a thread of this process.
+    stream = shardd.Client(f.path, timeout=1.0).stream("fake", epoch=0, rank=0, world_size=1)
     with pytest.raises(shardd.StreamTimeoutError) as e:
         next(stream)
-    assert str(e.value) == (f"the shardd daemon at {f.path} sent nothing for 0.2 s (the timeout "
+    assert str(e.value) == (f"the shardd daemon at {f.path} sent nothing for 1 s (the timeout "
                             f"given to Client) while reading dataset 'fake' epoch 0 rank 0 of 1, "
                             f"worker 0 of 1")
     assert isinstance(e.value, TimeoutError)

@@ -388,7 +388,9 @@ def test_from_clients_learns_the_host_from_the_first_stream(fake_gcs, manifest, 
     c.close()
 
     # No stream open: a new job placed host 0's trainers on this node.
-    wait_for(lambda: not node.status()["streams"], "the held stream to end")
+    # Its connection closed too: the learned host is let go only when the connection ends.
+    wait_for(lambda: not node.status()["streams"] and node.metric("shardd_connections_active") == 0,
+             "the held stream to end")
     got0 = read_all(node.socket, [0], 16, 1)
     fixed.stop()
     (tmp_path / "fixed0").mkdir()

@@ -219,13 +219,13 @@ def test_a_daemon_that_never_comes_back_times_out(daemon, caplog):
         with pytest.raises(shardd.UnavailableError) as e:
             list(stream)
         waited = time.monotonic() - began
-    assert 1 <= waited < 2, waited
+    assert 1 <= waited < 10, waited  # the timeout, and then at most an attempt on a busy machine
     m = re.fullmatch(
         rf"lost the shardd daemon at {re.escape(str(daemon.socket))} at sample (\d+) of {DESCRIBE} "
         rf"\(connection closed by the daemon\) and could not reconnect within reconnect_timeout = "
-        rf"1 s \(1\.\d s, (\d+) attempts\); last: Connection refused", str(e.value))
+        rf"1 s \((\d+\.\d) s, (\d+) attempts\); last: Connection refused", str(e.value))
     assert m, str(e.value)
-    assert int(m[2]) >= 3  # backoff from 50 ms: several attempts within a second
+    assert 1.0 <= float(m[2]) and int(m[3]) >= 3  # backoff from 50 ms: several attempts within a second
     assert len(shardd_log(caplog)) == 1  # the outage's one warning
 
 
@@ -253,7 +253,7 @@ def test_opening_waits_for_a_restarting_daemon_and_names_the_socket(daemon, capl
                                               f"such file or directory); retrying for up to 0.5 s "
                                               f"(reconnect_timeout)")]
     assert re.fullmatch(rf"no shardd daemon at {re.escape(str(wrong))} within reconnect_timeout = "
-                        rf"0\.5 s \(0\.\d s, \d+ attempts\); last: No such file or directory",
+                        rf"0\.5 s \(\d+\.\d s, \d+ attempts\); last: No such file or directory",
                         str(e.value)), str(e.value)
 
 
@@ -314,7 +314,9 @@ def test_kill_9_under_a_2_worker_loader(daemon, stateful):
     got += list(it)
     assert got == want
     # The restarted daemon served the rest of both streams: each worker reconnected once.
-    assert daemon.metric('shardd_streams_total{dataset="exact",outcome="completed"}') == 2
+    # (The daemon counts a stream's outcome after its END.)
+    wait_for(lambda: daemon.metric('shardd_streams_total{dataset="exact",outcome="completed"}') == 2,
+             "both streams to be counted completed")
     assert 0 < daemon.metric('shardd_samples_sent_total{dataset="exact"}') <= TOTAL - 6
     if stateful:
         again = loader()

@@ -193,7 +193,9 @@ def test_a_reader_that_pauses_holds_three_shards_then_none_and_goes_on(make_daem
     stream parks: it holds no shard. Paused for several stall timeouts, then read again, the
     same stream goes on where it was: the samples of an uninterrupted read, in its order."""
     d = make_daemon(
-        gcs_config(fake_gcs), server='stall_timeout = "2s"', cache="prefetch_shards = 2",
+        # 5 s: the last shards' fetches start about when the stream blocks, and must be in
+        # before it parks, even from a debug daemon on a busy machine.
+        gcs_config(fake_gcs), server='stall_timeout = "5s"', cache="prefetch_shards = 2",
     )
     charge = (shard_dir / BUCKET / "big" / "big-0.tar").stat().st_size + 8192
     # readahead=0: the shards pinned depend on exactly what the client received (a read-ahead
@@ -216,7 +218,7 @@ def test_a_reader_that_pauses_holds_three_shards_then_none_and_goes_on(make_daem
         assert d.metric("shardd_cache_pinned_bytes") == 0
         (parked,) = d.status()["streams"]
         assert parked["waiting_on"] == "parked" and parked["position"] >= 1
-        time.sleep(4)  # the pause under test (two more stall timeouts), not a synchronisation
+        time.sleep(5)  # the pause under test (one more stall timeout), not a synchronisation
         assert d.metric("shardd_streams_parked") == 1
         assert d.metric("shardd_cache_pinned_bytes") == 0
         reads = d.metric("shardd_cache_hits_total") + d.metric("shardd_cache_misses_total")
