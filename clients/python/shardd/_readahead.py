@@ -22,6 +22,9 @@ from ._errors import ProtocolError
 # many bytes of batches wait to be yielded (it may hold one batch more: it checks before a
 # batch, whose size it does not know yet). 0 turns the thread off.
 READAHEAD = 4 << 20
+# A zero-copy stream's read-ahead thread starts only once its reads have waited this many
+# seconds for the daemon (and most of their time; ``ReadingAhead._read_here``).
+ZERO_COPY_WAITS = 0.05
 # How long close() waits for a stream's thread to let go of the socket (it exits at once: the
 # socket is shut down under it), before leaving the closing to the thread.
 _JOIN_TIMEOUT = 5.0
@@ -125,11 +128,14 @@ class ReadingAhead:
             # decoding it would take turns with the caller, not overlap it (a caller copying
             # the fields lost a quarter of its samples/s to that). Only reads that mostly wait
             # for the daemon (shards still being fetched) are worth a thread: over the
-            # stream's reads so far, but those above.
+            # stream's reads so far, but those above, and waits of ZERO_COPY_WAITS at least.
+            # (A thread saves at most the waits; it costs the rest of the stream. A daemon
+            # descheduled for a few ms on a busy host is not a daemon fetching shards.)
             if not first:
                 self._reads[0] += self._took
                 self._reads[1] += zero_copy.waited - waited
-            if self._reads[1] < self._reads[0] / 2 or first:
+            total, waits = self._reads
+            if first or waits < total / 2 or waits < ZERO_COPY_WAITS:
                 self._took = float("inf")
         return batch
 
