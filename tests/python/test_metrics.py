@@ -29,7 +29,9 @@ def test_metrics_pass_promtool_and_count_what_was_served(make_daemon, fake_gcs, 
     assert d.metric("shardd_process_resident_memory_bytes") > 1 << 20
     assert d.metric('shardd_store_request_seconds_count{kind="get"}') == 12
     assert d.metric("shardd_shard_fetches_total") == 12
-    assert d.metric('shardd_streams_total{dataset="train",outcome="completed"}') == 1
+    # (The daemon counts a stream's outcome after its END.)
+    wait_for(lambda: d.metric('shardd_streams_total{dataset="train",outcome="completed"}') == 1,
+             "the stream to be counted completed")
     # Every shard stays cached (with its 8 KiB record allowance), none is pinned any more.
     shard_bytes = sum(p.stat().st_size for p in train_paths)
     wait_for(lambda: d.metric("shardd_downloads_active") == 0, "prefetches to end")

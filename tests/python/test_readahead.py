@@ -256,7 +256,7 @@ def test_without_read_ahead_nothing_runs_in_the_background(make_daemon, fake_gcs
 def test_the_thread_starts_when_the_caller_works_between_batches(make_daemon, fake_gcs):
     """A caller that spends at least a batch's receive time on a batch gets the thread from
     the next batch, and the same samples as one that drains the stream. (That a draining
-    caller keeps reading on its own thread is pinned on a scripted clock above: here a
+    caller keeps reading on its own thread is pinned on a scripted clock below: here a
     preemption between two batches could start the thread.)"""
     d = make_daemon(gcs_config(fake_gcs))
     want = read(d.socket, dataset="big")
@@ -331,7 +331,9 @@ def test_shardd_torch_takes_the_next_epoch_opened_ahead(make_daemon, fake_gcs):
     for e in range(2):
         ds.set_epoch(e)
         got.append([x["__key__"] for x in ds])
-        wait_for(lambda: d.metric("shardd_streams_active") == 1, f"epoch {e + 1} opened ahead")
+        # Held by the dataset's client (so the daemon counts it), and epoch e counted ended.
+        wait_for(lambda: d.metric("shardd_streams_active") == 1 and len(ds._client()._spec) == 1,
+                 f"epoch {e + 1} opened ahead")
     assert got == want
     assert streams(d) == 2 + 3  # the two reference reads; epochs 0, 1 and 2 (ahead)
 

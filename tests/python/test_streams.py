@@ -190,7 +190,7 @@ def test_a_reader_that_pauses_holds_three_shards_then_none_and_goes_on(make_daem
     """A stream whose client stops reading pins only the shard it is sending, the next
     window's (one shard here) and the one loading after it; the prefetcher loads
     prefetch_shards more and stops. After server.stall_timeout without a byte taken the
-    stream parks: it holds no shard. Paused for several stall timeouts, then read again, the
+    stream parks: it holds no shard. Paused for two stall timeouts, then read again, the
     same stream goes on where it was: the samples of an uninterrupted read, in its order."""
     d = make_daemon(
         # 5 s: the last shards' fetches start about when the stream blocks, and must be in
