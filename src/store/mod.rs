@@ -177,12 +177,12 @@ impl Stores {
         }
     }
 
-    /// The shard's current version: a HEAD request, or a `stat` of a local file.
     /// `cache.block_size`: the size of the writes of a cache file.
     pub fn block_size(&self) -> usize {
         self.block_size
     }
 
+    /// The shard's current version: a HEAD request, or a `stat` of a local file.
     pub async fn version(&self, shard: &ShardUrl) -> Result<Version, ReadError> {
         let (store, path) = match self.source(shard) {
             Source::Object { store, path } => (store, path),

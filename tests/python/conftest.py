@@ -54,6 +54,12 @@ def big_payload(i):
     return bytes([i]) * 1000 + random.Random(i).randbytes(BIG_SAMPLE - 1000)
 
 
+def as_bytes(sample):
+    """A sample with its zero-copy fields (memoryviews of mapped shard files) as bytes: to
+    compare, or to keep after its maps are released."""
+    return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+
+
 def wait_for(condition, what, timeout=DEADLINE):
     """Polls ``condition`` until it returns a true value or the deadline passes."""
     end = time.monotonic() + timeout

@@ -18,7 +18,7 @@ import shardd._readahead
 from shardd._readahead import READAHEAD, ZERO_COPY_WAITS, ReadingAhead
 from shardd.client import KIND_START, PREAMBLE
 
-from conftest import BIG_SAMPLE, BIG_SHARDS, gcs_config, wait_for
+from conftest import BIG_SAMPLE, BIG_SHARDS, as_bytes, gcs_config, wait_for
 
 # Every client here reads epoch after epoch, as shardd.torch's and shardd.grain's do.
 Client = functools.partial(shardd.Client, prefetch_next_epoch=True)
@@ -422,14 +422,11 @@ def test_a_zero_copy_stream_reads_the_same_samples_whichever_thread_reads_it(
     d = make_daemon(gcs_config(fake_gcs))
     want = read(d.socket)  # and the cache is warm
 
-    def copied(sample):  # lets go of its maps, as a trainer's collate does
-        return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
-
     with Client(d.socket, zero_copy=True) as c:
         s = c.stream("train", epoch=0, rank=0, world_size=1)
         got = []
         for x in s:
-            got.append(copied(x))
+            got.append(as_bytes(x))  # lets go of its maps, as a trainer's collate does
             time.sleep(0.0005)  # the trainer's work: a batch's is far longer than its read
         assert s._frames.zero_copy is not None
         took, waited = s._reads  # as they were when the thread, if any, took over

@@ -10,7 +10,7 @@ import tarfile
 import pytest
 import shardd
 
-from conftest import reference_samples
+from conftest import as_bytes, reference_samples
 
 SHARDS = 4
 
@@ -52,8 +52,8 @@ def read_epochs(socket_path, zero_copy, epochs, world_size=1):
     with shardd.Client(socket_path, zero_copy=zero_copy) as c:
         for epoch in epochs:
             for rank in range(world_size):
-                out.append([{k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in s.items()}
-                            for s in c.stream("x", epoch=epoch, rank=rank, world_size=world_size)])
+                stream = c.stream("x", epoch=epoch, rank=rank, world_size=world_size)
+                out.append([as_bytes(s) for s in stream])
     return out
 
 

@@ -16,7 +16,7 @@ import pytest
 import shardd
 import webdataset as wds
 
-from conftest import ROOT, bytes_on_disk, compiled_decoder, error_frame, index, raw_exchange, reference_samples, wait_for
+from conftest import ROOT, as_bytes, bytes_on_disk, compiled_decoder, error_frame, index, raw_exchange, reference_samples, wait_for
 from test_versions import OldDaemon
 
 SHARDS, PER_SHARD, SAMPLE = 6, 8, 100_000
@@ -106,8 +106,7 @@ def test_the_compiled_and_the_python_decoder_read_the_same_stream(daemon, zero_c
         assert len(python) == len(compiled) > 0
         for a, b in zip(compiled, python):
             assert {k: type(v) for k, v in a.items()} == {k: type(v) for k, v in b.items()}
-            assert {k: bytes(v) if isinstance(v, memoryview) else v for k, v in a.items()} == {
-                k: bytes(v) if isinstance(v, memoryview) else v for k, v in b.items()}
+            assert as_bytes(a) == as_bytes(b)
 
 
 def batches(socket_path, dataset, zero_copy):
@@ -160,13 +159,13 @@ def test_release_frees_maps_and_the_stream_end_frees_all(held_open, reference):
         mapped = {s["__url__"] for s in held if isinstance(s["bin"], memoryview)}
         assert len(mapped) == 2
         wait_for(lambda: daemon.metric("shardd_zero_copy_maps") == 2, "both maps held")
-        got = [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()} for s in held]
+        got = [as_bytes(s) for s in held]
         del held
         # Read on, each sample dropped at once: the client RELEASEs the retired maps, and the
         # samples the daemon decides after that (all but about two batches') are mapped again.
         for s in stream:
             mapped |= {s["__url__"]} if isinstance(s["bin"], memoryview) else set()
-            got.append({k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()})
+            got.append(as_bytes(s))
             del s
             assert daemon.metric("shardd_zero_copy_maps") <= 2
         assert stream.reconnects == 0
@@ -358,8 +357,7 @@ def test_a_mix_zero_copy_equals_its_socket_path(make_daemon, data, train_paths, 
     assert s.start_fields["zero_copy"] is True and len(mapped) == 40
     assert [x["__source__"] for x in mapped] == [x["__source__"] for x in plain]
     assert all(isinstance(x["__source__"], str) for x in mapped)
-    assert [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in x.items()}
-            for x in mapped] == plain
+    assert [as_bytes(x) for x in mapped] == plain
     assert {x["__source__"] for x in mapped} == {"za", "zb"}
     assert_webdataset_samples(mapped, reference, whole=False)  # 40 of the 48, from both sources
 
@@ -394,7 +392,7 @@ def test_releases_after_the_daemon_finished_sending_cost_no_reconnect(daemon, re
                  "the daemon to finish sending and close")
         got = []
         for s in stream:  # each sample dropped: its maps released
-            got.append({k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()})
+            got.append(as_bytes(s))
     assert [s["__key__"] for s in got] == want
     assert_webdataset_samples(got, reference)
     assert stream.reconnects == 0 and not [r for r in caplog.records if r.levelname == "WARNING"]
