@@ -4,7 +4,7 @@ reader's page faults do), and prints the CPU seconds per GB of the writing (this
 user + system time) and the time and faults per GB of the mapping.
 
 The page cache keeps a buffered write in folios no larger than the write (Linux 6.x, ext4
-from 6.16): the daemon writes cache files in 2 MiB blocks (src/cache/blocks.rs), and this is
+from 6.16): the daemon writes cache files in 2 MiB blocks (src/blocks.rs), and this is
 the measurement behind that choice (docs/benchmarks.md, "2 MiB cache blocks"). Each file is
 kept until the end, so every write takes memory the run has not used before.
 

@@ -3,8 +3,8 @@
 //!
 //! # Layout
 //! A folder per stage of the data flow, which runs one way: store → cache → shard → plan →
-//! serve, with config and ops below every stage and the commands above them. A module
-//! imports only from its own stage, the stages before it, `config` and `ops`; `protocol`
+//! serve, with config, ops and `blocks` below every stage and the commands above them. A module
+//! imports only from its own stage, the stages before it, `config`, `ops` and `blocks`; `protocol`
 //! (frames of samples, requests of plans) sits between plan and serve, `client` above it.
 //! (Unit tests may reach further for fixtures.)
 //!
@@ -17,11 +17,13 @@
 //! | plan | `plan/` | (dataset, seed, epoch, topology, rank, worker) → which samples, in which order: shares, `shuffle`, `mix`, `elastic`, and [`plan::request`], the one entry point the server calls |
 //! | serve | `serve/` | the daemon (`daemon`), the Unix socket (`server`), one stream per connection (`stream`), frames to the socket (`sink`) or by reference (`mapped`, zero copy), `prefetch`, `/status` and HTTP |
 //! | protocol, client | `protocol.rs`, `client.rs` | frames of `proto/PROTOCOL.md`; the Rust client (`cat`, `demo`, tests) |
+//! | blocks | `blocks.rs` | how every cache file is written: whole, aligned blocks (`cache.block_size`), for large page-cache folios; used by `store` (downloads, local copies) and `cache` (decompression) |
 //! | ops | `ops/` | Prometheus metrics, systemd readiness and watchdog, progress lines, malloc tuning |
 //! | commands | `cmd/` | `demo`, `warm`, `index`, `plan` (the report), `install-units` and `merge-config` (`units`) |
 //!
 //! `main.rs` only parses the command line.
 
+pub mod blocks;
 pub mod cache;
 pub mod client;
 pub mod cmd;

@@ -348,7 +348,7 @@ impl Inner {
         let mut decoder = compression
             .decoder(std::io::BufReader::new(input))
             .map_err(io(decoding))?;
-        let mut out = super::blocks::BlockWriter::new(file, self.stores.block_size());
+        let mut out = crate::blocks::BlockWriter::new(file, self.stores.block_size());
         let base = reservation.bytes;
         let (mut size, mut crc) = (0u64, 0u32);
         let mut buf = vec![0u8; 256 << 10];

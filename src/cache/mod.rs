@@ -33,11 +33,9 @@
 //! | `pin.rs` | pins and mappings that keep an entry while a stream reads it |
 //! | `decompress.rs` | gzip and zstd shards: detection by content, streaming decoders |
 //! | `disk.rs` | the directory: layout, lock, atomic commits, checksums |
-//! | `blocks.rs` | writing cache files in whole 2 MiB blocks (large page-cache folios) |
 //! | `evict.rs` | whom to evict: farthest next use first |
 //! | `bytes.rs` | [`ShardBytes`]: shard bytes, and whether they may be spliced |
 
-pub mod blocks;
 mod budget;
 pub mod bytes;
 pub mod decompress;

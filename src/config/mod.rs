@@ -79,7 +79,7 @@ pub struct Config {
     pub space_timeout: Duration,
     /// Memory for the sample indexes of cached shards (`sample_index.rs`).
     pub index_memory: u64,
-    /// The size of a cache file's writes (`cache/blocks.rs`).
+    /// The size of a cache file's writes (`blocks.rs`).
     pub cache_block_size: usize,
     pub max_downloads: usize,
     pub connect_timeout: Duration,

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::cache::blocks;
+use crate::blocks;
 
 use super::*;
 

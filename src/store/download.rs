@@ -24,7 +24,7 @@ use object_store::{GetOptions, GetRange, ObjectStore};
 use super::reported::Reported;
 use super::verify::Received;
 use super::{ReadError, Stores, Version};
-use crate::cache::blocks;
+use crate::blocks;
 use crate::config::url::ShardUrl;
 
 /// A part gathers its body chunks into batches that end at block boundaries
@@ -70,7 +70,7 @@ impl Chunk {
 
 /// Gathers one part's body chunks into batches that end at block boundaries: cut with no
 /// copy (`Bytes` are shared), so that each batch but the part's first and last is one whole,
-/// aligned block (`cache::blocks`).
+/// aligned block (`crate::blocks`).
 struct Batcher {
     range: Range<u64>,
     batch: Chunk,
@@ -301,7 +301,7 @@ pub(super) fn combine(crcs: &[u32], lens: &[u64]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::{BATCH_CHUNKS, Batcher, combine, write_all_at};
-    use crate::cache::blocks::{DEFAULT_BLOCK, MIN_BLOCK};
+    use crate::blocks::{DEFAULT_BLOCK, MIN_BLOCK};
 
     #[test]
     fn batches_hold_the_part_exactly_and_end_at_block_boundaries() {

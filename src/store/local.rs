@@ -14,7 +14,7 @@ use std::path::Path;
 use bytes::Bytes;
 
 use super::{ReadError, Version};
-use crate::cache::blocks::BlockWriter;
+use crate::blocks::BlockWriter;
 use crate::config::url::ShardUrl;
 
 fn not_found_or(url: &ShardUrl, what: &'static str) -> impl FnOnce(std::io::Error) -> ReadError {

@@ -115,7 +115,7 @@ pub struct Stores {
     buckets: BTreeMap<(&'static str, String), Bucket>,
     part_size: u64,
     parts_in_flight: usize,
-    /// `cache.block_size`: how cache files are written ([`crate::cache::blocks`]).
+    /// `cache.block_size`: how cache files are written ([`crate::blocks`]).
     block_size: usize,
     downloads: Semaphore,
     verify: Verify,
