@@ -392,6 +392,19 @@ async fn status(url: &str) -> anyhow::Result<()> {
         c.entries,
         c.loading
     );
+    for b in &s.stores {
+        let limit = b
+            .request_rate_limit
+            .map_or("no limit".to_string(), |r| format!("{r:.1} requests/s"));
+        let pushback = match (&b.last_pushback, b.last_pushback_seconds_ago) {
+            (Some(how), Some(ago)) => format!(", last pushed back ({how}) {ago:.1} s ago"),
+            _ => String::new(),
+        };
+        println!(
+            "store {}: {limit}, {} requests waiting ({} for a trainer){pushback}",
+            b.bucket, b.requests_waiting, b.urgent_requests_waiting
+        );
+    }
     println!(
         "{:<16} {:>6} {:>5} {:>6} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6}",
         "DATASET",

@@ -13,6 +13,7 @@ use super::decompress::Compression;
 use super::disk::{self, META_MAX, Meta};
 use super::{FetchError, Inner, LoadResult, Purpose, Ready, Slot, State};
 use crate::config::url::ShardUrl;
+use crate::store::pacing::{URGENCY, Urgency};
 use crate::store::{ReadError, Version};
 
 /// What waiters on a load share.
@@ -46,7 +47,7 @@ impl Drop for LoadingGuard {
     fn drop(&mut self) {
         if self.armed {
             let mut st = self.inner.state.lock().unwrap();
-            if let Some(Slot::Loading(_)) = st.slots.get(&self.url) {
+            if let Some(Slot::Loading(..)) = st.slots.get(&self.url) {
                 st.slots.remove(&self.url);
             }
         }
@@ -89,17 +90,25 @@ impl Inner {
         }
         .boxed()
         .shared();
-        st.slots
-            .insert(shard.as_str().to_string(), Slot::Loading(load.clone()));
+        let urgency = match purpose {
+            Purpose::Demand => Urgency::urgent(),
+            Purpose::Prefetch { .. } | Purpose::Warm => Urgency::prefetch(),
+        };
+        st.slots.insert(
+            shard.as_str().to_string(),
+            Slot::Loading(load.clone(), urgency.clone()),
+        );
         // Made now, so that a task dropped before it first runs still clears the slot.
         let guard = LoadingGuard {
             inner: self.clone(),
             url: shard.as_str().to_string(),
             armed: true,
         };
-        let run = self
-            .clone()
-            .run_load(guard, shard.clone(), old, purpose)
+        let run = URGENCY
+            .scope(
+                urgency,
+                self.clone().run_load(guard, shard.clone(), old, purpose),
+            )
             .boxed();
         (load, NewLoad { run, handle })
     }

@@ -44,6 +44,7 @@ pub mod evict;
 mod load;
 mod pin;
 
+use crate::store::pacing::Urgency;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
@@ -185,7 +186,9 @@ type LoadResult = Result<u64, Arc<FetchError>>;
 
 enum Slot {
     Ready(Ready),
-    Loading(SharedLoad),
+    /// A load in flight, and how urgent its requests to the store are: a stream that comes
+    /// to wait for a prefetch raises it ahead of the other prefetches.
+    Loading(SharedLoad, Urgency),
 }
 
 struct Ready {
@@ -382,7 +385,10 @@ impl Cache {
                         self.inner.publish(&st);
                         break entry;
                     }
-                    Some(Slot::Loading(load)) => (load.clone(), None),
+                    Some(Slot::Loading(load, urgency)) => {
+                        urgency.raise();
+                        (load.clone(), None)
+                    }
                     _ => {
                         let (load, new) = self.inner.start_load(&mut st, shard, Purpose::Demand);
                         (load, Some(new))
@@ -416,7 +422,7 @@ impl Cache {
                 Some(Slot::Ready(r)) if r.pins > 0 || self.inner.usable(r) => {
                     return Ok(Ensured::Present);
                 }
-                Some(Slot::Loading(_)) => return Ok(Ensured::Present),
+                Some(Slot::Loading(..)) => return Ok(Ensured::Present),
                 _ => self.inner.start_load(&mut st, shard, purpose),
             }
         };
@@ -455,7 +461,7 @@ impl Cache {
             loading: st
                 .slots
                 .values()
-                .filter(|s| matches!(s, Slot::Loading(_)))
+                .filter(|s| matches!(s, Slot::Loading(..)))
                 .count(),
             waiting: st.waiting,
         }

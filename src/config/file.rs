@@ -110,8 +110,11 @@ pub struct StoreSection {
     pub max_downloads: usize,
     pub connect_timeout: String,
     pub read_timeout: String,
+    /// Only 0 means something now (no retries): retries are bounded by `retry_timeout`.
     pub retries: usize,
     pub retry_timeout: String,
+    /// Requests per second to each bucket at most; 0: no ceiling.
+    pub max_requests_per_second: f64,
     pub credentials_timeout: String,
     pub part_size: String,
     pub parts_in_flight: usize,
@@ -126,6 +129,7 @@ impl Default for StoreSection {
             read_timeout: "60s".into(),
             retries: 10,
             retry_timeout: "3m".into(),
+            max_requests_per_second: 0.0,
             credentials_timeout: "10s".into(),
             part_size: "64MiB".into(),
             parts_in_flight: 4,

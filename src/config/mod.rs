@@ -84,9 +84,12 @@ pub struct Config {
     pub max_downloads: usize,
     pub connect_timeout: Duration,
     pub read_timeout: Duration,
-    pub retries: usize,
-    /// How long one request may be retried, from its first attempt.
+    /// How long a store may push back on one request (429, 5xx, timeouts) before it fails,
+    /// from its first failure; zero (`store.retries = 0`): no retries.
     pub retry_timeout: Duration,
+    /// `store.max_requests_per_second`: the ceiling of this host's request rate to each
+    /// bucket, if any.
+    pub max_requests_per_second: Option<f64>,
     /// How long a store may take to produce its credentials when asked at start.
     pub credentials_timeout: Duration,
     pub part_size: u64,

@@ -85,6 +85,10 @@ fn bad_values_name_the_key() {
         ),
         ("[store]\nretry_timeout = \"0s\"", "store.retry_timeout"),
         (
+            "[store]\nmax_requests_per_second = -5",
+            "store.max_requests_per_second must be a number of requests per second, 0 for no ceiling, not -5",
+        ),
+        (
             "[store]\ncredentials_timeout = \"x\"",
             "store.credentials_timeout",
         ),

@@ -73,7 +73,16 @@ impl FileConfig {
         }
         let connect_timeout = parse_timeout(&self.store.connect_timeout, "store.connect_timeout")?;
         let read_timeout = parse_timeout(&self.store.read_timeout, "store.read_timeout")?;
-        let retry_timeout = parse_timeout(&self.store.retry_timeout, "store.retry_timeout")?;
+        let mut retry_timeout = parse_timeout(&self.store.retry_timeout, "store.retry_timeout")?;
+        if self.store.retries == 0 {
+            retry_timeout = std::time::Duration::ZERO;
+        }
+        let ceiling = self.store.max_requests_per_second;
+        if !ceiling.is_finite() || ceiling < 0.0 {
+            return Err(invalid(format!(
+                "store.max_requests_per_second must be a number of requests per second, 0 for no ceiling, not {ceiling}"
+            )));
+        }
         let credentials_timeout =
             parse_timeout(&self.store.credentials_timeout, "store.credentials_timeout")?;
         let verify = validate_verify(&self.store.verify)?;
@@ -118,8 +127,8 @@ impl FileConfig {
             max_downloads: self.store.max_downloads,
             connect_timeout,
             read_timeout,
-            retries: self.store.retries,
             retry_timeout,
+            max_requests_per_second: (ceiling > 0.0).then_some(ceiling),
             credentials_timeout,
             part_size,
             parts_in_flight: self.store.parts_in_flight,

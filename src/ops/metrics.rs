@@ -3,6 +3,9 @@
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
+/// The outcomes of a store request (`store::Outcome`'s labels).
+pub const STORE_OUTCOMES: [&str; 5] = ["ok", "throttled", "unavailable", "timeout", "error"];
+
 pub struct Metrics {
     pub registry: Registry,
     pub connections_active: IntGauge,
@@ -35,11 +38,18 @@ pub struct Metrics {
     pub shard_fetch_bytes_total: IntCounter,
     pub shard_fetch_seconds: Histogram,
     pub downloads_active: IntGauge,
-    /// Object-store requests by kind (head, get: one per ranged part).
+    /// Object-store HTTP requests by kind (head, get: one per ranged part and per retry) and
+    /// outcome (ok, throttled, unavailable, timeout, error: `store/retry.rs`).
     pub store_requests_total: IntCounterVec,
+    /// Per bucket: the request rate this host holds itself to (`store/pacing.rs`); 0 while
+    /// there is no limit.
+    pub store_request_rate_limit: prometheus::GaugeVec,
+    /// Time requests a trainer waited for spent held back by the store's pushback: waiting
+    /// for the host's request rate (`paced`) or before a retry (`backoff`).
+    pub store_wait_seconds_total: prometheus::CounterVec,
     /// Body bytes received from object stores.
     pub store_bytes_total: IntCounter,
-    /// Object-store errors by kind (not_found, changed, other).
+    /// Object-store errors by kind (not_found, changed, pushback, other).
     pub store_errors_total: IntCounterVec,
     /// Bytes the cache charges against `cache.max_size`: entries plus reservations.
     pub cache_bytes: IntGauge,
@@ -181,11 +191,25 @@ impl Metrics {
                 .unwrap(),
             ),
             downloads_active: gauge("downloads_active", "Shard downloads in flight."),
-            store_requests_total: reg(
+            store_requests_total: counters(
                 &registry,
-                IntCounterVec::new(
-                    Opts::new("store_requests_total", "Object-store requests, by kind (head, get; one get per ranged part)."),
-                    &["kind"],
+                "store_requests_total",
+                "Object-store HTTP requests, by kind (head, get: one per ranged part and per retry) and outcome (ok, throttled, unavailable, timeout, error).",
+                &["kind", "outcome"],
+            ),
+            store_request_rate_limit: reg(
+                &registry,
+                prometheus::GaugeVec::new(
+                    Opts::new("store_request_rate_limit", "Requests per second this host allows itself to the bucket, adapted to its 429s; 0: no limit."),
+                    &["bucket"],
+                )
+                .unwrap(),
+            ),
+            store_wait_seconds_total: reg(
+                &registry,
+                prometheus::CounterVec::new(
+                    Opts::new("store_wait_seconds_total", "Time requests a trainer waited for were held back by the store's pushback: the host's request rate (paced) or a retry's backoff (backoff)."),
+                    &["reason"],
                 )
                 .unwrap(),
             ),
@@ -193,7 +217,7 @@ impl Metrics {
             store_errors_total: reg(
                 &registry,
                 IntCounterVec::new(
-                    Opts::new("store_errors_total", "Object-store request errors, by kind (not_found, changed, other)."),
+                    Opts::new("store_errors_total", "Object-store request errors, by kind (not_found, changed, pushback: the store pushed back for store.retry_timeout, other)."),
                     &["kind"],
                 )
                 .unwrap(),
@@ -251,11 +275,29 @@ impl Metrics {
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
         for kind in ["head", "get"] {
-            self.store_requests_total.with_label_values(&[kind]);
+            for outcome in STORE_OUTCOMES {
+                self.store_requests_total
+                    .with_label_values(&[kind, outcome]);
+            }
         }
-        for kind in ["not_found", "changed", "other"] {
+        for reason in ["paced", "backoff"] {
+            self.store_wait_seconds_total.with_label_values(&[reason]);
+        }
+        for kind in ["not_found", "changed", "pushback", "other"] {
             self.store_errors_total.with_label_values(&[kind]);
         }
+    }
+
+    /// GET requests sent to object stores, whatever their outcome.
+    pub fn store_gets(&self) -> u64 {
+        STORE_OUTCOMES
+            .iter()
+            .map(|o| {
+                self.store_requests_total
+                    .with_label_values(&["get", o])
+                    .get()
+            })
+            .sum()
     }
 
     /// The text exposition format, for `/metrics`.

@@ -504,7 +504,7 @@ fn report(
                 cache_misses = metrics.cache_misses_total.get(),
                 cache_evictions = metrics.cache_evictions_total.get(),
                 cache_resident_bytes = metrics.cache_resident_bytes.get(),
-                store_gets = metrics.store_requests_total.with_label_values(&["get"]).get(),
+                store_gets = metrics.store_gets(),
                 store_bytes = metrics.store_bytes_total.get(),
                 "stream completed"
             );

@@ -111,6 +111,26 @@ pub struct Status {
     pub datasets: Vec<DatasetStatus>,
     pub cache: crate::cache::Usage,
     pub streams: Vec<StreamStatus>,
+    /// How the host's requests to each bucket are paced: a trainer that waits on `data`
+    /// while its bucket pushes back waits on the store.
+    #[serde(default)]
+    pub stores: Vec<StoreStatus>,
+}
+
+/// One bucket, as `/status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StoreStatus {
+    /// `gs://bucket`.
+    pub bucket: String,
+    /// The request rate the host holds itself to; `None`: no limit.
+    pub request_rate_limit: Option<f64>,
+    /// Requests waiting for the rate, and how many of them a trainer waits for.
+    pub requests_waiting: usize,
+    pub urgent_requests_waiting: usize,
+    /// How the store last pushed back (`throttled`, `unavailable`, `timeout`), if it has...
+    pub last_pushback: Option<String>,
+    /// ...and how long ago.
+    pub last_pushback_seconds_ago: Option<f64>,
 }
 
 impl Board {
@@ -179,6 +199,20 @@ impl Board {
                 })
                 .collect(),
             cache: self.cache.usage(),
+            stores: self
+                .cache
+                .stores()
+                .pacing()
+                .into_iter()
+                .map(|(bucket, p)| StoreStatus {
+                    bucket: bucket.to_string(),
+                    request_rate_limit: p.rate,
+                    requests_waiting: p.waiting,
+                    urgent_requests_waiting: p.urgent_waiting,
+                    last_pushback: p.last_pushback.map(|(how, _)| how.label().to_string()),
+                    last_pushback_seconds_ago: p.last_pushback.map(|(_, ago)| ago.as_secs_f64()),
+                })
+                .collect(),
             streams: streams
                 .values()
                 .map(|s| {

@@ -1,12 +1,11 @@
 //! One object_store client per bucket, built from the config's `[store]`, `[gcs]` and `[s3]`
 //! sections, and beside it a probe of the same client's credentials (see `credentials.rs`).
 //!
-//! Retries are object_store's, not ours: 5xx, 408, 429 and connection errors are retried with
-//! exponential backoff, `store.retries` times and within `store.retry_timeout` of the first
-//! attempt; a body cut mid-way is resumed with a range request. 404 and other 4xx answers fail
-//! at once. The whole-request timeout is disabled (shards are large); `store.connect_timeout`
-//! and `store.read_timeout` (the longest silence while reading a body) catch stalled
-//! connections instead.
+//! Every store's HTTP client is ours (`http.rs`): it paces the bucket's requests and retries
+//! them while the store pushes back, within `store.retry_timeout` of the first failure;
+//! object_store's own retries are off. The whole-request timeout is disabled (shards are
+//! large); `store.connect_timeout` and `store.read_timeout` (the longest silence while
+//! reading a body) catch stalled connections instead.
 
 use std::sync::Arc;
 
@@ -14,8 +13,11 @@ use object_store::aws::{AmazonS3Builder, AwsCredentialProvider};
 use object_store::gcp::{GcpCredentialProvider, GoogleCloudStorageBuilder};
 use object_store::{ClientOptions, ObjectStore, RetryConfig};
 
-use super::reported::{self, Kind};
+use super::http::Connector;
+use super::pacing::Pacer;
+use super::reported::Kind;
 use crate::config::{Config, GcsSection, S3Section};
+use crate::ops::metrics::Metrics;
 
 /// One bucket's store, and how to ask it for credentials.
 pub(super) struct Bucket {
@@ -23,11 +25,13 @@ pub(super) struct Bucket {
     pub name: String,
     pub store: Arc<dyn ObjectStore>,
     pub probe: Probe,
+    /// The host's request rate to the bucket, shared by the store and its probe.
+    pub pacer: Arc<Pacer>,
 }
 
 /// A credential provider built like the store's, but whose token requests give up sooner
-/// (`store.credentials_timeout`, two retries): asking it says quickly whether the store
-/// can sign its requests.
+/// (within `store.credentials_timeout`): asking it says quickly whether the store can sign
+/// its requests.
 pub(super) enum Probe {
     /// Anonymous: requests are not signed, there is nothing to ask.
     Nothing,
@@ -40,29 +44,48 @@ pub(super) enum Probe {
 }
 
 /// Builds the store of one bucket (`scheme` "gs" or "s3").
-pub(super) fn bucket(scheme: &str, name: &str, config: &Config) -> object_store::Result<Bucket> {
+pub(super) fn bucket(
+    scheme: &str,
+    name: &str,
+    config: &Config,
+    metrics: &Arc<Metrics>,
+) -> object_store::Result<Bucket> {
     let options = ClientOptions::new()
         .with_timeout_disabled()
         .with_connect_timeout(config.connect_timeout)
         .with_read_timeout(config.read_timeout)
         .with_allow_http(true);
+    // Retried in our client (`http.rs`), never again by object_store.
     let retry = RetryConfig {
-        max_retries: config.retries,
-        retry_timeout: config.retry_timeout,
+        max_retries: 0,
         ..Default::default()
     };
-    let quick = RetryConfig {
-        max_retries: config.retries.min(2),
-        retry_timeout: config.credentials_timeout,
-        ..Default::default()
+    let kind = if scheme == "gs" { Kind::Gcs } else { Kind::S3 };
+    let pacer = Arc::new(Pacer::new(config.max_requests_per_second));
+    let label = format!("{scheme}://{name}");
+    metrics
+        .store_request_rate_limit
+        .with_label_values(&[&label])
+        .set(config.max_requests_per_second.unwrap_or(0.0));
+    let connector = |retry_timeout| Connector {
+        kind,
+        bucket: name.to_string(),
+        label: label.clone(),
+        pacer: pacer.clone(),
+        retry_timeout,
+        metrics: metrics.clone(),
     };
+    let (main, quick) = (
+        connector(config.retry_timeout),
+        connector(config.retry_timeout.min(config.credentials_timeout)),
+    );
     let (store, probe): (Arc<dyn ObjectStore>, Probe) = if scheme == "gs" {
         let section = config.gcs.as_ref();
-        let store = gcs(name, section, options.clone(), retry).build()?;
+        let store = gcs(name, section, options.clone(), retry.clone(), main).build()?;
         let probe = match section {
             Some(s) if s.anonymous => Probe::Nothing,
             _ => Probe::Gcs {
-                provider: gcs(name, section, options, quick)
+                provider: gcs(name, section, options, retry, quick)
                     .build()?
                     .credentials()
                     .clone(),
@@ -72,11 +95,11 @@ pub(super) fn bucket(scheme: &str, name: &str, config: &Config) -> object_store:
         (Arc::new(store), probe)
     } else {
         let section = config.s3.as_ref();
-        let store = s3(name, section, options.clone(), retry).build()?;
+        let store = s3(name, section, options.clone(), retry.clone(), main).build()?;
         let probe = match section {
             Some(s) if s.anonymous => Probe::Nothing,
             _ => Probe::S3(
-                s3(name, section, options, quick)
+                s3(name, section, options, retry, quick)
                     .build()?
                     .credentials()
                     .clone(),
@@ -85,9 +108,10 @@ pub(super) fn bucket(scheme: &str, name: &str, config: &Config) -> object_store:
         (Arc::new(store), probe)
     };
     Ok(Bucket {
-        name: format!("{scheme}://{name}"),
+        name: label,
         store,
         probe,
+        pacer,
     })
 }
 
@@ -96,6 +120,7 @@ fn gcs(
     section: Option<&GcsSection>,
     options: ClientOptions,
     retry: RetryConfig,
+    connector: Connector,
 ) -> GoogleCloudStorageBuilder {
     let mut b = match section {
         // `[gcs]` present: only what it says, so a stray env var cannot redirect an emulator run.
@@ -105,7 +130,7 @@ fn gcs(
     .with_bucket_name(bucket)
     .with_client_options(options)
     .with_retry(retry)
-    .with_http_connector(reported::connector(Kind::Gcs));
+    .with_http_connector(connector);
     if let Some(s) = section {
         if let Some(endpoint) = &s.endpoint {
             b = b.with_base_url(endpoint.trim_end_matches('/'));
@@ -125,12 +150,13 @@ fn s3(
     section: Option<&S3Section>,
     options: ClientOptions,
     retry: RetryConfig,
+    connector: Connector,
 ) -> AmazonS3Builder {
     let mut b = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .with_client_options(options)
         .with_retry(retry)
-        .with_http_connector(reported::connector(Kind::S3));
+        .with_http_connector(connector);
     if let Some(s) = section {
         if let Some(endpoint) = &s.endpoint {
             b = b.with_endpoint(endpoint).with_allow_http(true);

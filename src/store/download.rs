@@ -22,6 +22,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore};
 
 use super::reported::Reported;
+use super::retry::{GaveUp, Outcome, Retries};
 use super::verify::Received;
 use super::{ReadError, Stores, Version};
 use crate::blocks;
@@ -174,38 +175,72 @@ impl Stores {
         single: bool,
         tx: tokio::sync::mpsc::Sender<Chunk>,
     ) -> PartResult {
-        let options = GetOptions {
-            range: Some(GetRange::Bounded(range.clone())),
-            if_match: version.e_tag.clone(),
-            ..Default::default()
-        };
-        self.count("get", 0);
-        let asked = Instant::now();
-        let got = store.get_opts(path, options).await;
-        self.observe("get", asked);
-        let got = got.map_err(|e| self.store_error(shard, e))?;
-        let reported = got.extensions.get::<Reported>().cloned();
-        let md5 = single && self.wants_md5(shard, version, reported.as_ref());
-        let mut body = got.into_stream();
         let mut at = range.start;
-        let mut batches = Batcher::new(part, range.clone(), md5, self.block_size);
         let mut ready = Vec::new();
-        while let Some(chunk) = body.next().await {
-            let bytes = chunk.map_err(|e| self.store_error(shard, e))?;
-            let len = bytes.len() as u64;
-            if at + len > range.end {
-                break; // more than asked for: counted as a bad length below
-            }
-            self.count("", len);
-            at += len;
-            batches.push(bytes, &mut ready);
-            for batch in ready.drain(..) {
-                if tx.send(batch).await.is_err() {
-                    return Ok(reported); // the writer failed; `download` reports why
+        let mut reported = None;
+        let mut batches = None;
+        // A body cut mid-way (a reset, a silence past `store.read_timeout`) is resumed where
+        // it stopped, pinned to the same ETag, while the store has not pushed back for
+        // `store.retry_timeout`: the same policy as a request's retries (`http.rs`).
+        let mut retries = Retries::new(self.retry_timeout);
+        'request: loop {
+            let options = GetOptions {
+                range: Some(GetRange::Bounded(at..range.end)),
+                if_match: version.e_tag.clone(),
+                ..Default::default()
+            };
+            let asked = Instant::now();
+            let got = store.get_opts(path, options).await;
+            self.observe("get", asked);
+            let got = got.map_err(|e| self.store_error(shard, e))?;
+            // The first answer says what the store vouches for.
+            let batches = batches.get_or_insert_with(|| {
+                reported = got.extensions.get::<Reported>().cloned();
+                let md5 = single && self.wants_md5(shard, version, reported.as_ref());
+                Batcher::new(part, range.clone(), md5, self.block_size)
+            });
+            let mut body = got.into_stream();
+            while let Some(chunk) = body.next().await {
+                let bytes = match chunk {
+                    Ok(bytes) => bytes,
+                    Err(e) => match retries.failed(Outcome::Timeout) {
+                        Some(wait) => {
+                            tracing::debug!(url = %shard, error = %e, at, wait = ?wait, "a body was cut: resuming it");
+                            tokio::time::sleep(wait).await;
+                            continue 'request;
+                        }
+                        None if retries.waited().is_zero() => {
+                            return Err(self.store_error(shard, e)); // no retries
+                        }
+                        None => {
+                            return Err(ReadError::GaveUp {
+                                url: shard.to_string(),
+                                source: GaveUp {
+                                    cause: format!("cut the body ({e})"),
+                                    waited: retries.waited(),
+                                    attempts: retries.failures(),
+                                    timeout: self.retry_timeout,
+                                },
+                            });
+                        }
+                    },
+                };
+                let len = bytes.len() as u64;
+                if at + len > range.end {
+                    break 'request; // more than asked for: counted as a bad length below
+                }
+                self.count_bytes(len);
+                at += len;
+                batches.push(bytes, &mut ready);
+                for batch in ready.drain(..) {
+                    if tx.send(batch).await.is_err() {
+                        return Ok(reported); // the writer failed; `download` reports why
+                    }
                 }
             }
+            break;
         }
-        if let Some(batch) = batches.finish()
+        if let Some(batch) = batches.and_then(Batcher::finish)
             && tx.send(batch).await.is_err()
         {
             return Ok(reported);

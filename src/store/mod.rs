@@ -14,12 +14,19 @@
 //! Before its first request a command asks every store for its credentials
 //! ([`Stores::check_credentials`]), so a machine without them fails in seconds with one line.
 //! Shard downloads in flight on the host are bounded by `store.max_downloads`.
+//!
+//! A bucket shared by a pod pushes back (429, 503, silence): each request to it is paced by
+//! the host's adaptive rate ([`pacing`]) and retried for `store.retry_timeout` ([`retry`]),
+//! in the HTTP client under object_store (`http.rs`).
 
 mod build;
 mod credentials;
 mod download;
+mod http;
 mod local;
+pub mod pacing;
 mod reported;
+pub mod retry;
 mod verify;
 
 use std::collections::BTreeMap;
@@ -34,6 +41,7 @@ use tokio::sync::Semaphore;
 
 use self::build::Bucket;
 pub use self::credentials::CredentialsError;
+pub use self::retry::{GaveUp, Outcome};
 pub use self::verify::{Checked, Fetched};
 use crate::config::url::{Location, ShardUrl};
 use crate::config::{Config, Verify};
@@ -58,6 +66,9 @@ pub enum ReadError {
         url: String,
         source: object_store::Error,
     },
+    /// The store pushed back (429, 5xx, timeouts) for `store.retry_timeout`.
+    #[error("{url}: download failed: {source}")]
+    GaveUp { url: String, source: GaveUp },
     #[error("{url}: truncated download: got {got} of {expected} bytes")]
     Truncated {
         url: String,
@@ -118,6 +129,8 @@ pub struct Stores {
     /// `cache.block_size`: how cache files are written ([`crate::blocks`]).
     block_size: usize,
     downloads: Semaphore,
+    /// How long a body cut mid-way may be resumed (`download.rs`), as requests are retried.
+    retry_timeout: Duration,
     verify: Verify,
     credentials_timeout: Duration,
     /// CRC-32C recorded by the datasets' manifests ([`Stores::know_crc32c`]).
@@ -140,11 +153,12 @@ impl Stores {
                 if buckets.contains_key(&key) {
                     continue;
                 }
-                let built =
-                    build::bucket(scheme, bucket, config).map_err(|source| StoreError::Build {
+                let built = build::bucket(scheme, bucket, config, &metrics).map_err(|source| {
+                    StoreError::Build {
                         bucket: format!("{scheme}://{bucket}"),
                         source,
-                    })?;
+                    }
+                })?;
                 buckets.insert(key, built);
             }
         }
@@ -154,6 +168,7 @@ impl Stores {
             parts_in_flight: config.parts_in_flight,
             block_size: config.cache_block_size,
             downloads: Semaphore::new(config.max_downloads),
+            retry_timeout: config.retry_timeout,
             verify: config.verify,
             credentials_timeout: config.credentials_timeout,
             indexed: RwLock::default(),
@@ -191,7 +206,6 @@ impl Stores {
                 return blocking(shard, move || local::version(&file, &url)).await;
             }
         };
-        self.count("head", 0);
         let asked = Instant::now();
         let head = store.head(path).await;
         self.observe("head", asked);
@@ -212,7 +226,6 @@ impl Stores {
                 return blocking(url, move || local::read(&file, &shard)).await;
             }
         };
-        self.count("get", 0);
         let got = store
             .get(path)
             .await
@@ -295,17 +308,30 @@ impl Stores {
             .observe(asked.elapsed().as_secs_f64());
     }
 
-    fn count(&self, request: &str, bytes: u64) {
-        if !request.is_empty() {
-            self.metrics
-                .store_requests_total
-                .with_label_values(&[request])
-                .inc();
-        }
+    /// Body bytes received (requests are counted as they are sent, in `http.rs`).
+    fn count_bytes(&self, bytes: u64) {
         self.metrics.store_bytes_total.inc_by(bytes);
     }
 
+    /// How the host's requests to each bucket are paced now: (bucket, state).
+    pub fn pacing(&self) -> Vec<(&str, pacing::Snapshot)> {
+        self.buckets
+            .values()
+            .map(|b| (b.name.as_str(), b.pacer.snapshot()))
+            .collect()
+    }
+
     fn store_error(&self, shard: &ShardUrl, e: object_store::Error) -> ReadError {
+        if let Some(gave_up) = GaveUp::in_chain(&e) {
+            self.metrics
+                .store_errors_total
+                .with_label_values(&["pushback"])
+                .inc();
+            return ReadError::GaveUp {
+                url: shard.to_string(),
+                source: gave_up.clone(),
+            };
+        }
         let kind = match &e {
             object_store::Error::NotFound { .. } => "not_found",
             object_store::Error::Precondition { .. } => "changed",

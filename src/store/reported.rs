@@ -1,7 +1,7 @@
 //! What a store says about an object's content, read from its response headers.
 //!
 //! object_store parses ETag and size but not the checksum headers, so every store's HTTP
-//! client is wrapped ([`connector`]): each successful response's headers are read into a
+//! client is wrapped (`http.rs`): each successful response's headers are read into a
 //! [`Reported`], which object_store hands back in `GetResult::extensions`. No extra request:
 //! the headers come with every GET.
 //! - **GCS** (`x-goog-hash: crc32c=…,md5=…`, base64, big-endian): every object has a CRC-32C,
@@ -12,9 +12,6 @@
 //!   a full-object `x-amz-checksum-crc32c` (sent when the upload carried one) is used too.
 
 use base64::Engine;
-use object_store::client::{
-    HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService, ReqwestConnector,
-};
 
 /// The checksums a store reported for a whole object.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -30,39 +27,13 @@ pub enum Kind {
     S3,
 }
 
-/// An HTTP connector whose clients attach a [`Reported`] to responses that carry checksums.
-pub fn connector(kind: Kind) -> impl HttpConnector {
-    Connector(kind)
-}
-
-#[derive(Debug)]
-struct Connector(Kind);
-
-impl HttpConnector for Connector {
-    fn connect(&self, options: &object_store::ClientOptions) -> object_store::Result<HttpClient> {
-        let inner = ReqwestConnector::default().connect(options)?;
-        Ok(HttpClient::new(Reporting(self.0, inner)))
-    }
-}
-
-#[derive(Debug)]
-struct Reporting(Kind, HttpClient);
-
-#[async_trait::async_trait]
-impl HttpService for Reporting {
-    async fn call(&self, request: HttpRequest) -> Result<HttpResponse, HttpError> {
-        let mut response = self.1.execute(request).await?;
-        if response.status().is_success() {
-            let headers = response.headers();
-            let reported = match self.0 {
-                Kind::Gcs => gcs(headers.get_all("x-goog-hash").iter().map(as_str)),
-                Kind::S3 => s3(|name| headers.get(name).map(as_str)),
-            };
-            if reported != Reported::default() {
-                response.extensions_mut().insert(reported);
-            }
+impl Reported {
+    /// What a successful response's headers say about its object.
+    pub fn from_headers(kind: Kind, headers: &reqwest::header::HeaderMap) -> Reported {
+        match kind {
+            Kind::Gcs => gcs(headers.get_all("x-goog-hash").iter().map(as_str)),
+            Kind::S3 => s3(|name| headers.get(name).map(as_str)),
         }
-        Ok(response)
     }
 }
 

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import signal
 import socket
 import struct
@@ -292,14 +293,18 @@ class Daemon:
             return json.load(r)
 
     def metric(self, name, scrape=None):
-        """One series (``name`` with its labels, as exported), or the sum of a family's series
-        (``name`` alone: e.g. every dataset's); from ``scrape`` (``metrics()``'s text) if given,
-        so that several series come from one moment."""
-        values = [
-            float(line.rsplit(" ", 1)[1])
-            for line in (scrape or self.metrics()).splitlines()
-            if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{"))
-        ]
+        """The sum of the series of ``name``'s family whose labels include those ``name`` gives
+        (``shardd_store_requests_total{kind="get"}``: every outcome's; a name alone: every
+        series); from ``scrape`` (``metrics()``'s text) if given, so that several series come
+        from one moment. A family with no such series is a KeyError."""
+        family, _, want = name.partition("{")
+        want = set(re.findall(r'[a-z_]+="[^"]*"', want))
+        values = []
+        for line in (scrape or self.metrics()).splitlines():
+            series, _, value = line.rpartition(" ")
+            got_family, _, labels = series.partition("{")
+            if got_family == family and want <= set(re.findall(r'[a-z_]+="[^"]*"', labels)):
+                values.append(float(value))
         if not values:
             raise KeyError(name)
         return sum(values)
@@ -569,3 +574,22 @@ def pytest_terminal_summary(terminalreporter):
     if table:
         terminalreporter.write_sep("=", "conformance matrix")
         terminalreporter.write_line(table)
+
+
+@pytest.fixture
+def bucket_emulator(fake_gcs):
+    """Makes started BucketEmulators (tests/python/bucket_emulator.py: a shared GCS bucket that
+    pushes back, one port per host) in front of the session's fake-gcs-server:
+    ``make(hosts=4, **options)``. Closes them at teardown."""
+    from bucket_emulator import BucketEmulator
+
+    emulators = []
+
+    def make(hosts=4, **options):
+        emu = BucketEmulator(int(fake_gcs.rsplit(":", 1)[1]), hosts=hosts, **options).start()
+        emulators.append(emu)
+        return emu
+
+    yield make
+    for emu in emulators:
+        emu.close()
