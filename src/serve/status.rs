@@ -242,8 +242,17 @@ impl Board {
 
     /// Whether the daemon can serve: every store can get its credentials, the cache directory
     /// is usable and every dataset's store answers for its first shard. Checked for real, at
-    /// most every few seconds.
-    pub async fn ready(&self) -> Result<(), String> {
+    /// most every few seconds, in a task of its own: a probe that gives up sooner (a kubelet
+    /// waits 1 s) must not cancel a check that a paced or throttled store makes slow, or
+    /// no check would ever finish.
+    pub async fn ready(self: &Arc<Self>) -> Result<(), String> {
+        let board = self.clone();
+        tokio::spawn(async move { board.ready_now().await })
+            .await
+            .unwrap_or_else(|e| Err(format!("the readiness check failed: {e}")))
+    }
+
+    async fn ready_now(&self) -> Result<(), String> {
         let mut cached = self.ready.lock().await;
         if let Some((at, verdict)) = cached.as_ref()
             && at.elapsed() < READY_FOR

@@ -1,0 +1,184 @@
+"""A bucket that pushes back, as a pod's hosts meet it: throttling (429 past a bucket-wide
+request rate), outages (503, and a store that accepts requests and never answers), and a
+host's own ceiling. Several daemons, each host i of the pod with its own port on the bucket
+emulator (tests/python/bucket_emulator.py, in front of fake-gcs-server), each trainer reading
+its rank through the Python client.
+
+What must hold (docs/data-contract.md, "A store that pushes back"): no trainer dies of a 429,
+a 503 or a timeout while the store comes back within ``store.retry_timeout``; every sample
+arrives once, byte-equal to webdataset; a store still down after it fails the stream with a
+message that names the cause and the time waited, and the next request tries again. Each
+test first shows that its event landed while a stream was open.
+"""
+
+import re
+import threading
+
+import pytest
+import shardd
+
+from conftest import gcs_config, reference_samples, wait_for
+
+HOSTS = 4
+
+
+def start_pod(make_daemon, emu, hosts=HOSTS, store=""):
+    """One daemon per host of the pod, each on its own port of the bucket."""
+    return [
+        make_daemon(
+            gcs_config(emu.endpoint(i), host_index=i, host_count=hosts, extra=f"[store]\n{store}\n"),
+            name=f"host{i}",
+        )
+        for i in range(hosts)
+    ]
+
+
+class Trainers:
+    """One trainer thread per host reading its rank of epoch 0; what each read, or the error
+    that ended it."""
+
+    def __init__(self, daemons):
+        self.samples = [[] for _ in daemons]
+        self.errors = [None] * len(daemons)
+        self.threads = [
+            threading.Thread(target=self.read, args=(i, d), daemon=True) for i, d in enumerate(daemons)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def read(self, rank, daemon):
+        try:
+            with shardd.Client(daemon.socket) as c:
+                for s in c.stream("train", epoch=0, rank=rank, world_size=len(self.samples)):
+                    self.samples[rank].append(s)
+        except Exception as e:  # the test asserts there was none, naming it
+            self.errors[rank] = e
+
+    def join(self, timeout=120):
+        for t in self.threads:
+            t.join(timeout)
+            assert not t.is_alive(), "a trainer is still reading"
+        return self
+
+
+def assert_every_sample_once(trainers, train_paths):
+    assert trainers.errors == [None] * len(trainers.errors), "a trainer died of the data path"
+    got = [s for rank in trainers.samples for s in rank]
+    keys = [s["__key__"] for s in got]
+    assert len(keys) == len(set(keys)), "a sample arrived twice"
+    want = reference_samples(train_paths)
+    assert {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in got} == want
+
+
+def outcomes(d, scrape=None):
+    return {
+        o: d.metric(f'shardd_store_requests_total{{outcome="{o}"}}', scrape)
+        for o in ("ok", "throttled", "unavailable", "timeout", "error")
+    }
+
+
+def streams_open(d):
+    return d.metric("shardd_streams_active") >= 1
+
+
+def test_a_throttling_bucket_slows_the_pod_down_and_kills_no_trainer(make_daemon, bucket_emulator, train_paths):
+    emu = bucket_emulator(hosts=HOSTS, latency=0.02)
+    daemons = start_pod(make_daemon, emu)
+    # The pod's cold start asks for every host's share at once: far past 8 requests/s.
+    emu.set_rate_limit(8, burst=1)
+    trainers = Trainers(daemons).join()
+    assert_every_sample_once(trainers, train_paths)
+
+    stats = emu.stats()
+    assert stats["totals"]["throttled"] > 0, "the bucket throttled the pod"
+    # Each daemon counts what its port of the bucket answered, request by request.
+    for i, d in enumerate(daemons):
+        host = stats["hosts"][i]
+        wait_for(
+            lambda: (outcomes(d)["ok"], outcomes(d)["throttled"]) == (host["ok"], host["throttled"]),
+            f"host {i}'s counts to match the bucket's {host}",
+        )
+    throttled_hosts = [d for d in daemons if outcomes(d)["throttled"] > 0]
+    # A host that was throttled holds itself to a rate now, and retried: it did not fail.
+    for d in throttled_hosts:
+        assert d.metric("shardd_store_request_rate_limit") > 0
+        assert d.metric('shardd_store_errors_total{kind="pushback"}') == 0
+    # No retry storm: before pacing, a bucket at a quarter of the demand answered 3.7 429s
+    # for each request it served; a host that slows down sends far fewer.
+    assert stats["totals"]["throttled"] <= stats["totals"]["ok"], stats["totals"]
+
+
+def test_a_hosts_ceiling_bounds_its_request_rate(make_daemon, bucket_emulator, train_paths):
+    emu = bucket_emulator(hosts=2)
+    daemons = start_pod(make_daemon, emu, hosts=2, store="max_requests_per_second = 5")
+    trainers = Trainers(daemons).join()
+    assert_every_sample_once(trainers, train_paths)
+    stats = emu.stats()
+    for i, d in enumerate(daemons):
+        host = stats["hosts"][i]
+        sent = host["requests"]
+        span = host["last_request_at"] - host["first_request_at"]
+        # A token bucket of 5 requests/s holds at most one token at a time: in any span, at
+        # most one request more than the rate allows (whatever the machine's load).
+        assert sent <= 5 * span + 1, (sent, span)
+        assert sent > 1
+        assert d.metric("shardd_store_request_rate_limit") == 5
+
+
+def test_an_outage_shorter_than_retry_timeout_is_invisible_to_the_trainers(make_daemon, bucket_emulator, train_paths):
+    emu = bucket_emulator(hosts=HOSTS)
+    daemons = start_pod(make_daemon, emu, store='retry_timeout = "60s"')
+    emu.outage("503")
+    trainers = Trainers(daemons)
+    # The outage lands: every host's stream is open and waits while its requests get 503s.
+    for i, d in enumerate(daemons):
+        wait_for(lambda: streams_open(d) and outcomes(d)["unavailable"] >= 2, f"host {i} to meet the outage")
+        status = d.status()
+        [store] = status["stores"]
+        assert store["last_pushback"] == "unavailable", store
+        assert [s["waiting_on"] for s in status["streams"]] == ["data"], status["streams"]
+    assert all(t.is_alive() for t in trainers.threads), trainers.errors
+    emu.outage(None)
+    trainers.join()
+    assert_every_sample_once(trainers, train_paths)
+    for d in daemons:
+        assert d.metric('shardd_store_wait_seconds_total{reason="backoff"}') > 0
+        assert d.metric('shardd_store_errors_total{kind="pushback"}') == 0
+
+
+def test_a_store_that_never_answers_is_waited_out_too(make_daemon, bucket_emulator, train_paths):
+    emu = bucket_emulator(hosts=2)
+    daemons = start_pod(make_daemon, emu, hosts=2, store='read_timeout = "1s"\nretry_timeout = "60s"')
+    emu.outage("hang")
+    trainers = Trainers(daemons)
+    for i, d in enumerate(daemons):
+        wait_for(lambda: streams_open(d) and outcomes(d)["timeout"] >= 1, f"host {i} to time out")
+    emu.outage(None)
+    trainers.join()
+    assert_every_sample_once(trainers, train_paths)
+
+
+def test_a_store_down_longer_than_retry_timeout_fails_the_stream_naming_why_and_the_next_request_tries_again(
+    make_daemon, bucket_emulator, train_paths
+):
+    emu = bucket_emulator(hosts=1)
+    [d] = start_pod(make_daemon, emu, hosts=1, store='retry_timeout = "2s"')
+    emu.outage("503")
+    with shardd.Client(d.socket) as c:
+        with pytest.raises(shardd.DaemonError) as e:
+            list(c.stream("train", epoch=0, rank=0, world_size=1))
+    assert e.value.code == "stream_failed"
+    message = str(e.value)
+    assert re.fullmatch(
+        r"gs://bkt/train/train-\d{6}\.tar: download failed: the store answered 503 Service Unavailable "
+        r"for 2\.\ds \(\d+ attempts; store\.retry_timeout = 2s\)",
+        message,
+    ), message
+    attempts = int(re.search(r"\((\d+) attempts", message).group(1))
+    assert attempts >= 3, "retried with backoff until the time ran out"
+    assert d.metric('shardd_store_errors_total{kind="pushback"}') >= 1
+    # Nothing was cached of the failed shards; once the store is back, the same request reads
+    # everything.
+    emu.outage(None)
+    trainers = Trainers([d]).join()
+    assert_every_sample_once(trainers, train_paths)
