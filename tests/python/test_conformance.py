@@ -2,7 +2,9 @@
 delivery, reader, event and the client's decoder.
 
 A cell reads one epoch of a 2-rank job (1 host) through one reader while one event happens
-after its fifth sample. Its oracle is the same cell read without the event (the same samples,
+after its fifth sample. The `outage` event's cells read the same shards from a bucket (the bucket
+emulator in front of fake-gcs-server) that answers 503 to everything from then until the
+daemon has met it twice; the other cells read local files. Its oracle is the same cell read without the event (the same samples,
 in the same order, on every rank) and the contract of its mode: byte-equal to webdataset's
 reading of the same tars, every sample once per epoch across ranks, equal counts per rank, a
 mix's ±1 prefix bound, resampled lengths. A combination the daemon refuses (an elastic resume
@@ -27,12 +29,13 @@ import pytest
 import shardd
 import webdataset as wds
 
-from conftest import SHARDD, reference_samples, wait_for
+from bucket_emulator import BucketEmulator
+from conftest import SHARDD, reference_samples, start_fake_gcs, wait_for
 
 MODES = ["shards", "manifest", "mix", "resampled", "tgz", "zst"]
 DELIVERIES = ["socket", "zero_copy"]
 READERS = ["client", "torch", "stateful", "grain", "pipe"]
-EVENTS = ["none", "pause", "slow", "kill9", "restart", "resume", "elastic", "budget", "deleted"]
+EVENTS = ["none", "pause", "slow", "kill9", "restart", "resume", "elastic", "budget", "deleted", "outage"]
 # The client's batch decoder: the wheel's compiled one, or the pure-Python one of the
 # client-only distribution (shardd/_decode.py).
 DECODERS = ["compiled", "python"]
@@ -160,7 +163,38 @@ def data(tmp_path_factory):
     web = set(reference_samples(tars[:16]))
     urls = {"shards": tars, "tgz": [root / f"m-{s:02d}.tgz" for s in range(SHARDS)],
             "zst": [root / f"m-{s:02d}.tar.zst" for s in range(SHARDS)]}
-    return {"body": body, "want": want, "web": web, "urls": urls}
+
+    # The same files in a bucket, for the outage cells: fake-gcs-server serves gcs/mbkt/*
+    # (hard links), through the bucket emulator; manifests indexed from the bucket.
+    bucket = tmp_path_factory.mktemp("matrix-gcs")
+    (bucket / "mbkt").mkdir()
+    for f in root.iterdir():
+        if f.is_file() and not f.name.endswith(".json"):
+            os.link(f, bucket / "mbkt" / f.name)
+    server = start_fake_gcs(bucket, bucket)
+    emulator = BucketEmulator(int(server.endpoint.rsplit(":", 1)[1]), hosts=1).start()
+    gcs = f'[gcs]\nendpoint = "{server.endpoint}"\nanonymous = true\n'
+    (bucket / "index.toml").write_text(gcs)
+    gcs_sections = {}
+    for name, text in sections.items():
+        for manifest_path in root.glob("*.manifest.json"):
+            if f'"{manifest_path}"' in text:
+                pat = text.split('"')[1].replace(f"{root}/", "gs://mbkt/")
+                out = bucket / manifest_path.name
+                run = subprocess.run([SHARDD, "index", pat, "-o", str(out), "--config", str(bucket / "index.toml")],
+                                     capture_output=True, text=True)
+                assert run.returncode == 0, run.stderr
+                text = text.replace(str(manifest_path), str(out))
+        gcs_sections[name] = text.replace(f"{root}/", "gs://mbkt/")
+    gcs_body = (f'[gcs]\nendpoint = "{emulator.endpoint(0)}"\nanonymous = true\n'
+                '[store]\nretry_timeout = "60s"\n' + "[host]\nindex = 0\ncount = 1\n" + "".join(
+        f"[datasets.{name}]\n{text}\n" + ("shuffle_buffer = 15\n" if name != "mix" else "")
+        for name, text in gcs_sections.items()))
+    gcs_urls = {mode: [f"gs://mbkt/{u.name}" for u in us] for mode, us in urls.items()}
+    yield {"body": body, "want": want, "web": web, "urls": urls,
+           "gcs_body": gcs_body, "gcs_urls": gcs_urls, "bucket": emulator}
+    emulator.close()
+    server.stop()
 
 
 def digest_fields(fields):
@@ -263,10 +297,12 @@ def pipe_reader(d, urls, rank, event):
     return out
 
 
-def read_job(d, data, mode, delivery, reader, event):
+def read_job(d, data, mode, delivery, reader, event, bucket=False):
+    """`bucket`: the daemon reads the bucket's copies (`start_daemon`)."""
     zero_copy = delivery == "zero_copy"
     resume = event == "resume"
-    fire = Trigger(d, event)
+    fire = Trigger(d, event, data["bucket"])
+    urls = data["gcs_urls" if bucket or from_bucket(event) else "urls"]
     out = {}
     for rank in range(WORLD):
         if reader == "client":
@@ -274,7 +310,7 @@ def read_job(d, data, mode, delivery, reader, event):
         elif reader == "grain":
             out[rank] = grain_reader(d, mode, zero_copy, rank, fire, resume)
         elif reader == "pipe":
-            out[rank] = pipe_reader(d, data["urls"][mode], rank, fire)
+            out[rank] = pipe_reader(d, urls[mode], rank, fire)
         else:
             out[rank] = torch_reader(d, mode, zero_copy, rank, fire, resume, stateful=reader == "stateful")
     fire.check()
@@ -284,9 +320,10 @@ def read_job(d, data, mode, delivery, reader, event):
 class Trigger:
     """The event, fired once, after the AT-th sample of rank 0; `check` says it happened."""
 
-    def __init__(self, d, event):
+    def __init__(self, d, event, bucket=None):
         self.d, self.event, self.fired = d, event, False
         self.slow_left = 0
+        self.bucket, self.outage = bucket, None
 
     def __call__(self, n):
         if self.slow_left:
@@ -316,6 +353,21 @@ class Trigger:
             # Another dataset read during the pause, in a cache of a few shards.
             with shardd.Client(d.socket) as c:
                 assert len(list(c.stream("other", epoch=0, rank=0, world_size=1))) == 3 * PER_SHARD
+        elif self.event == "outage":
+            # Every request answered 503 until the daemon has met it twice (the job still has
+            # shards to fetch: 4 ahead of rank 0's reading, and all of rank 1's); the readers
+            # wait meanwhile. A thread ends it, as the readers may be waiting for it to end.
+            self.bucket.outage("503")
+
+            def end():
+                try:
+                    wait_for(lambda: self.d.metric('shardd_store_requests_total{outcome="unavailable"}') >= 2,
+                             "the daemon to meet the outage")
+                finally:
+                    self.bucket.outage(None)
+
+            self.outage = threading.Thread(target=end, daemon=True)
+            self.outage.start()
         elif self.event == "deleted":
             for f in (d.dir / "cache").rglob("*"):
                 if f.is_file():
@@ -333,16 +385,27 @@ class Trigger:
         assert self.fired, "the event never fired"
         if self.event == "slow":
             assert self.d.metric("shardd_stream_parks_total") == 0, "a slow, steady reader was parked"
+        if self.event == "outage":
+            self.outage.join()
+            assert self.d.metric('shardd_store_requests_total{outcome="unavailable"}') >= 2, \
+                "the outage never met a request"
+            assert self.d.metric('shardd_store_errors_total{kind="pushback"}') == 0
 
 
-def start_daemon(make_daemon, data, event, tag):
+def from_bucket(event):
+    """Whether a cell reads its shards from the bucket (through the emulator), not files."""
+    return event == "outage"
+
+
+def start_daemon(make_daemon, data, event, tag, bucket=False):
     # Two thirds of the dataset: every epoch evicts. (A compressed shard's load holds its
     # download and its tar at once, and two workers load at once: fewer shards than this can
     # run out of room on the socket path as well.) Written in the smallest blocks
     # (`cache.block_size`): what an operator whose host takes back memory runs.
     cache = (f'max_size = "{16 * SHARD_BYTES}"\nblock_size = "64KiB"\n' if event == "budget"
              else "")
-    return make_daemon(data["body"], name=tag, server='stall_timeout = "1s"', cache=cache)
+    body = data["gcs_body" if bucket or from_bucket(event) else "body"]
+    return make_daemon(body, name=tag, server='stall_timeout = "1s"', cache=cache)
 
 
 # -- the contract ----------------------------------------------------------------------------
@@ -450,13 +513,16 @@ def test_cell(make_daemon, data, mode, delivery, reader, event, decoder, monkeyp
         return
     got = read_job(d, data, mode, delivery, reader, event)
     check_contract(mode, got, data, streams=2 if reader in ("torch", "stateful") else 1)
-    # The baseline may come from a cell of the other decoder: the same samples either way.
-    base = BASELINES.get((mode, delivery, reader))
+    # The baseline may come from a cell of the other decoder: the same samples either way. A
+    # bucket's shards have other URLs than the files (and so other orders): its own baseline.
+    bucket = from_bucket(event)
+    base = BASELINES.get((mode, delivery, reader, bucket))
     if base is None and event != "none":
-        base = read_job(start_daemon(make_daemon, data, "none", "base"), data, mode, delivery, reader, "none")
+        d = start_daemon(make_daemon, data, "none", "base", bucket=bucket)
+        base = read_job(d, data, mode, delivery, reader, "none", bucket=bucket)
     if base is not None:
         assert got == base, "not the samples, or not the order, of the same cell without the event"
-    BASELINES[mode, delivery, reader] = got
+    BASELINES[mode, delivery, reader, bucket] = got
     RESULTS[cell] = "ok"
 
 
