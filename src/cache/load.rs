@@ -214,7 +214,8 @@ impl Inner {
         }
     }
 
-    /// Reads a shard from its source into a new entry: HEAD (or stat), reserve, read,
+    /// Reads a shard from its source into a new entry: open (its first part's GET, or a
+    /// stat), reserve, read,
     /// verify, decompress if compressed, commit. A checksum mismatch, or a source that changed
     /// mid-read, is tried once more.
     pub(super) async fn fetch(
@@ -225,7 +226,9 @@ impl Inner {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let version = self.stores.version(shard).await?;
+            // The first part's GET tells the version (no HEAD); its body waits for the room.
+            let opened = self.stores.open(shard).await?;
+            let version = opened.version.clone();
             let need = version.size + META_MAX;
             if need > self.limits.max_bytes {
                 return Err(FetchError::TooLarge {
@@ -242,7 +245,7 @@ impl Inner {
                     .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
                     .map_err(FetchError::io(shard, "creating a cache file"))?
             };
-            let read = self.stores.read_into(shard, &version, file).await;
+            let read = self.stores.read_into(shard, opened, file).await;
             let result = match read {
                 Ok(fetched) => {
                     let (inner, url, version) = (self.clone(), shard.clone(), version.clone());

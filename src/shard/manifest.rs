@@ -346,7 +346,8 @@ async fn index_one(
         .try_clone()
         .map_err(|e| shard_error(shard, e.to_string()))?;
     // Verified against what the store vouches for, and checksummed as it was written.
-    let crc32c = stores.read_into(shard, &version, copy).await?.crc32c;
+    let opened = Stores::open_at(version.clone());
+    let crc32c = stores.read_into(shard, opened, copy).await?.crc32c;
     let url: Arc<str> = Arc::from(shard.as_str());
     let samples = tokio::task::spawn_blocking(move || count(file, &url))
         .await

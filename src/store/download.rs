@@ -1,5 +1,6 @@
 //! One object's download: parallel ranged GETs of `store.part_size`, up to
-//! `store.parts_in_flight` at once, each pinned to the version's ETag with `If-Match`, written
+//! `store.parts_in_flight` at once, the first the GET that opened the object and told its
+//! version ([`Stores::open`]), the others pinned to that version's ETag with `If-Match`, written
 //! at their offsets by one blocking writer behind a bounded channel (a slow disk never blocks
 //! a runtime thread, and memory stays bounded). Each part gathers its body chunks into batches
 //! that end at 2 MiB boundaries, one channel message and one `pwritev` each.
@@ -19,7 +20,7 @@ use bytes::Bytes;
 use futures::{StreamExt, TryFutureExt, TryStreamExt};
 use md5::Digest;
 use object_store::path::Path as ObjectPath;
-use object_store::{GetOptions, GetRange, ObjectStore};
+use object_store::{GetOptions, GetRange, GetResult, ObjectStore};
 
 use super::reported::Reported;
 use super::retry::{GaveUp, Outcome, Retries};
@@ -117,6 +118,8 @@ type PartResult = Result<Option<Reported>, ReadError>;
 impl Stores {
     /// Reads exactly `version` of the object into `file`; returns what was received (its
     /// CRC-32C, an MD5 if one was needed) and what the store reported about the object.
+    /// `first`: the answer to the GET that opened the object ([`Stores::open`]), which is the
+    /// first part's.
     pub(super) async fn download(
         &self,
         store: &Arc<dyn ObjectStore>,
@@ -124,8 +127,10 @@ impl Stores {
         shard: &ShardUrl,
         version: &Version,
         file: std::fs::File,
+        first: Option<GetResult>,
     ) -> Result<(Received, Option<Reported>), ReadError> {
         let ranges = self.ranges(version.size);
+        let mut first = first.filter(|got| ranges.first() == Some(&got.range));
         let lens: Vec<u64> = ranges.iter().map(|r| r.end - r.start).collect();
         let (tx, rx) = tokio::sync::mpsc::channel::<Chunk>(WRITE_QUEUE);
         let writer = tokio::task::spawn_blocking(move || write(file, rx, &lens));
@@ -134,7 +139,8 @@ impl Stores {
             futures::stream::iter(ranges.into_iter().enumerate())
                 .map(|(part, range)| {
                     let tx = tx.clone();
-                    self.get_part(store, path, shard, version, part, range, single, tx)
+                    let got = first.take().filter(|_| part == 0);
+                    self.get_part(store, path, shard, version, part, range, single, tx, got)
                         .map_ok(move |reported| (part, reported))
                 })
                 .buffer_unordered(self.parts_in_flight)
@@ -174,6 +180,7 @@ impl Stores {
         range: Range<u64>,
         single: bool,
         tx: tokio::sync::mpsc::Sender<Chunk>,
+        mut opened: Option<GetResult>,
     ) -> PartResult {
         let mut at = range.start;
         let mut ready = Vec::new();
@@ -184,15 +191,20 @@ impl Stores {
         // `store.retry_timeout`: the same policy as a request's retries (`http.rs`).
         let mut retries = Retries::new(self.retry_timeout);
         'request: loop {
-            let options = GetOptions {
-                range: Some(GetRange::Bounded(at..range.end)),
-                if_match: version.e_tag.clone(),
-                ..Default::default()
+            let got = match opened.take() {
+                Some(got) => got,
+                None => {
+                    let options = GetOptions {
+                        range: Some(GetRange::Bounded(at..range.end)),
+                        if_match: version.e_tag.clone(),
+                        ..Default::default()
+                    };
+                    let asked = Instant::now();
+                    let got = store.get_opts(path, options).await;
+                    self.observe("get", asked);
+                    got.map_err(|e| self.store_error(shard, e))?
+                }
             };
-            let asked = Instant::now();
-            let got = store.get_opts(path, options).await;
-            self.observe("get", asked);
-            let got = got.map_err(|e| self.store_error(shard, e))?;
             // The first answer says what the store vouches for.
             let batches = batches.get_or_insert_with(|| {
                 reported = got.extensions.get::<Reported>().cloned();

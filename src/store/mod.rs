@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, GetRange, GetResult, ObjectStore, ObjectStoreExt};
 use tokio::sync::Semaphore;
 
 use self::build::Bucket;
@@ -108,6 +108,14 @@ pub struct Version {
     pub e_tag: Option<String>,
     /// The object's generation (GCS) or version id (S3), when the store reports one.
     pub generation: Option<String>,
+}
+
+/// A shard opened for reading ([`Stores::open`]).
+pub struct Opened {
+    /// What is read: the version the first part's answer told.
+    pub version: Version,
+    /// That answer, its body not read yet (`None`: a local file, or opened by a HEAD).
+    first: Option<GetResult>,
 }
 
 /// Where a shard's bytes come from, resolved once per operation.
@@ -249,18 +257,77 @@ impl Stores {
             .map_err(|e| self.store_error(url, e))
     }
 
-    /// Reads exactly `version` of the shard into `file` (empty, owned by the cache) and
-    /// checks it against what its source vouches for ([`verify`]).
+    /// Opens a shard for reading: its current version, and for an object the answer to its
+    /// first part's GET, whose headers carry the version (size, ETag, generation) that a HEAD
+    /// would have cost a request of its own. Its body waits, unread, until the cache has room
+    /// for the shard; only its reading counts against `store.max_downloads` (a load that
+    /// waits for room must not hold a download that a stream's next shard needs).
+    ///
+    /// An object the ranged GET cannot open (an empty object: 416; a store that ignores
+    /// ranges) is opened by a HEAD instead.
+    pub async fn open(&self, shard: &ShardUrl) -> Result<Opened, ReadError> {
+        let Source::Object { store, path } = self.source(shard) else {
+            let version = self.version(shard).await?;
+            return Ok(Opened {
+                version,
+                first: None,
+            });
+        };
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(0..self.part_size)),
+            ..Default::default()
+        };
+        let asked = Instant::now();
+        let got = store.get_opts(path, options).await;
+        self.observe("get", asked);
+        let got = match got {
+            Ok(got) => got,
+            Err(e) => match self.store_error(shard, e) {
+                e @ (ReadError::NotFound { .. } | ReadError::GaveUp { .. }) => return Err(e),
+                e => {
+                    tracing::debug!(url = %shard, error = %e, "a ranged GET could not open it: a HEAD");
+                    let version = self.version(shard).await?;
+                    return Ok(Opened {
+                        version,
+                        first: None,
+                    });
+                }
+            },
+        };
+        let version = Version {
+            size: got.meta.size,
+            e_tag: got.meta.e_tag.clone(),
+            generation: got.meta.version.clone(),
+        };
+        Ok(Opened {
+            version,
+            first: Some(got),
+        })
+    }
+
+    /// Opens a shard whose version is known already (a HEAD told it): its parts are all
+    /// pinned to it.
+    pub fn open_at(version: Version) -> Opened {
+        Opened {
+            version,
+            first: None,
+        }
+    }
+
+    /// Reads exactly the version `opened` has of the shard into `file` (empty, owned by the
+    /// cache) and checks it against what its source vouches for ([`verify`]).
     pub async fn read_into(
         &self,
         shard: &ShardUrl,
-        version: &Version,
+        opened: Opened,
         file: std::fs::File,
     ) -> Result<Fetched, ReadError> {
+        let Opened { version, first } = opened;
+        let version = &version;
         let _permit = self.downloads.acquire().await.expect("never closed");
         let _active = crate::ops::metrics::Active::new(&self.metrics.downloads_active);
         let started = Instant::now();
-        let result = self.read_verified(shard, version, file).await;
+        let result = self.read_verified(shard, version, file, first).await;
         match &result {
             Ok(fetched) => {
                 tracing::debug!(url = %shard, checked = ?fetched.checked, "shard read");
@@ -283,10 +350,13 @@ impl Stores {
         shard: &ShardUrl,
         version: &Version,
         file: std::fs::File,
+        first: Option<GetResult>,
     ) -> Result<Fetched, ReadError> {
         let (received, reported, local) = match self.source(shard) {
             Source::Object { store, path } => {
-                let (received, reported) = self.download(store, path, shard, version, file).await?;
+                let (received, reported) = self
+                    .download(store, path, shard, version, file, first)
+                    .await?;
                 (received, reported, false)
             }
             Source::Local(src) => {
