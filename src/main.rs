@@ -165,12 +165,11 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     // The demo prints its own report; the daemon inside it only speaks up about problems.
-    // The one-shot commands leave out object_store's line per retry: their errors say what
-    // failed (SHARDD_LOG=info,object_store=info shows the retries).
+    // Retries are logged at debug (src/store/http.rs): SHARDD_LOG=info,shardd::store=debug
+    // shows each one; errors say what failed and for how long.
     let default_level = match cli.command {
         Command::Demo => "warn",
-        Command::Serve { .. } => "info",
-        _ => "info,object_store=warn",
+        _ => "info",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SHARDD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));

@@ -13,7 +13,9 @@
 //!
 //! Before its first request a command asks every store for its credentials
 //! ([`Stores::check_credentials`]), so a machine without them fails in seconds with one line.
-//! Shard downloads in flight on the host are bounded by `store.max_downloads`.
+//! Shard downloads in flight on the host are bounded by `store.max_downloads`, of which
+//! prefetches may hold at most three quarters: a shard a trainer waits for never queues
+//! behind a host's worth of prefetches that a throttling store slows down.
 //!
 //! A bucket shared by a pod pushes back (429, 503, silence): each request to it is paced by
 //! the host's adaptive rate ([`pacing`]) and retried for `store.retry_timeout` ([`retry`]),
@@ -137,6 +139,8 @@ pub struct Stores {
     /// `cache.block_size`: how cache files are written ([`crate::blocks`]).
     block_size: usize,
     downloads: Semaphore,
+    /// The share of `downloads` prefetches may hold.
+    prefetches: Semaphore,
     /// How long a body cut mid-way may be resumed (`download.rs`), as requests are retried.
     retry_timeout: Duration,
     verify: Verify,
@@ -176,6 +180,7 @@ impl Stores {
             parts_in_flight: config.parts_in_flight,
             block_size: config.cache_block_size,
             downloads: Semaphore::new(config.max_downloads),
+            prefetches: Semaphore::new(prefetch_downloads(config.max_downloads)),
             retry_timeout: config.retry_timeout,
             verify: config.verify,
             credentials_timeout: config.credentials_timeout,
@@ -324,6 +329,10 @@ impl Stores {
     ) -> Result<Fetched, ReadError> {
         let Opened { version, first } = opened;
         let version = &version;
+        let _prefetch = match pacing::Urgency::current().is_urgent() {
+            true => None,
+            false => Some(self.prefetches.acquire().await.expect("never closed")),
+        };
         let _permit = self.downloads.acquire().await.expect("never closed");
         let _active = crate::ops::metrics::Active::new(&self.metrics.downloads_active);
         let started = Instant::now();
@@ -425,6 +434,11 @@ impl Stores {
             },
         }
     }
+}
+
+/// Of `max_downloads`, how many prefetches may hold: all but a quarter (and at least one).
+fn prefetch_downloads(max_downloads: usize) -> usize {
+    (max_downloads - max_downloads / 4).max(1)
 }
 
 /// Runs blocking file work off the runtime threads; a panic fails the read, not the daemon.

@@ -118,7 +118,6 @@ space_timeout = "60s"
 max_downloads = 6
 connect_timeout = "2s"
 read_timeout = "2s"
-retries = 10
 part_size = "1MiB"
 parts_in_flight = 2
 [gcs]
@@ -158,7 +157,7 @@ class Daemon:
         with open(self.dir / "shardd.log", "a") as logf:
             self.proc = subprocess.Popen([self.bin, "serve", "--config", str(self.config)],
                                          stdout=logf, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "SHARDD_LOG": "info"})
+                                         env={**os.environ, "SHARDD_LOG": "info,shardd::store=debug"})
         self.starts += 1
 
         def serving():
@@ -472,10 +471,10 @@ def main():
         dm.resources()  # the last CPU figures
     sample_counters()  # the last counts (each daemon's since its last start)
     parks = sum(c["shardd_stream_parks_total"] for c in counted.values())
-    # The store's faults as the daemons met them: their retries (object_store logs each one;
-    # the logs are appended to across restarts).
-    retries = sum((dm.dir / "shardd.log").read_text(errors="replace").count("object_store::client::retry")
-                  for dm in daemons)
+    # The store's faults as the daemons met them: their retries (src/store/http.rs and
+    # download.rs log each one at debug; the logs are appended to across restarts).
+    retries = sum(text.count("the store pushed back: retrying") + text.count("a body was cut: resuming it")
+                  for text in ((dm.dir / "shardd.log").read_text(errors="replace") for dm in daemons))
     cpu = sum(sum(dm.cpu.values()) for dm in daemons)
     for h, dm in enumerate(daemons):
         code = dm.stop()
