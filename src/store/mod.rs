@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, GetResult, ObjectStore, ObjectStoreExt};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 use self::build::Bucket;
 pub use self::credentials::CredentialsError;
@@ -329,11 +329,7 @@ impl Stores {
     ) -> Result<Fetched, ReadError> {
         let Opened { version, first } = opened;
         let version = &version;
-        let _prefetch = match pacing::Urgency::current().is_urgent() {
-            true => None,
-            false => Some(self.prefetches.acquire().await.expect("never closed")),
-        };
-        let _permit = self.downloads.acquire().await.expect("never closed");
+        let _permits = self.download_permits().await;
         let _active = crate::ops::metrics::Active::new(&self.metrics.downloads_active);
         let started = Instant::now();
         let result = self.read_verified(shard, version, file, first).await;
@@ -378,6 +374,19 @@ impl Stores {
             }
         };
         self.verify(shard, version, received, reported, local)
+    }
+
+    /// A download's place among `store.max_downloads`: a prefetch's also among the share
+    /// prefetches may hold.
+    async fn download_permits(&self) -> (Option<SemaphorePermit<'_>>, SemaphorePermit<'_>) {
+        let prefetch = match pacing::Urgency::current().is_urgent() {
+            true => None,
+            false => Some(self.prefetches.acquire().await.expect("never closed")),
+        };
+        (
+            prefetch,
+            self.downloads.acquire().await.expect("never closed"),
+        )
     }
 
     fn observe(&self, kind: &str, asked: Instant) {
@@ -439,6 +448,39 @@ impl Stores {
 /// Of `max_downloads`, how many prefetches may hold: all but a quarter (and at least one).
 fn prefetch_downloads(max_downloads: usize) -> usize {
     (max_downloads - max_downloads / 4).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pacing::{URGENCY, Urgency};
+    use super::*;
+
+    #[tokio::test]
+    async fn prefetches_leave_a_quarter_of_the_downloads_to_the_shards_trainers_wait_for() {
+        let text = "[store]\nmax_downloads = 8\n[datasets.d]\nshards = \"/x.tar\"\n";
+        let config = Config::parse(text, Path::new("/")).unwrap();
+        let stores = Stores::from_config(&config, Default::default()).unwrap();
+        let prefetch = || URGENCY.scope(Urgency::prefetch(), stores.download_permits());
+        let mut held = Vec::new();
+        for _ in 0..6 {
+            held.push(prefetch().await);
+        }
+        let quick = Duration::from_millis(50);
+        assert!(
+            tokio::time::timeout(quick, prefetch()).await.is_err(),
+            "a 7th prefetch waits"
+        );
+        let urgent = || URGENCY.scope(Urgency::urgent(), stores.download_permits());
+        let (a, b) = (urgent().await, urgent().await);
+        assert!(
+            tokio::time::timeout(quick, urgent()).await.is_err(),
+            "8 in all"
+        );
+        drop((a, b));
+        assert_eq!(prefetch_downloads(1), 1);
+        assert_eq!(prefetch_downloads(3), 3);
+        assert_eq!(prefetch_downloads(16), 12);
+    }
 }
 
 /// Runs blocking file work off the runtime threads; a panic fails the read, not the daemon.
