@@ -450,6 +450,20 @@ fn prefetch_downloads(max_downloads: usize) -> usize {
     (max_downloads - max_downloads / 4).max(1)
 }
 
+/// Runs blocking file work off the runtime threads; a panic fails the read, not the daemon.
+async fn blocking<T: Send + 'static>(
+    shard: &ShardUrl,
+    f: impl FnOnce() -> Result<T, ReadError> + Send + 'static,
+) -> Result<T, ReadError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ReadError::Io {
+            url: shard.to_string(),
+            what: "internal error while reading the file",
+            source: std::io::Error::other(e.to_string()),
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::pacing::{URGENCY, Urgency};
@@ -481,18 +495,4 @@ mod tests {
         assert_eq!(prefetch_downloads(3), 3);
         assert_eq!(prefetch_downloads(16), 12);
     }
-}
-
-/// Runs blocking file work off the runtime threads; a panic fails the read, not the daemon.
-async fn blocking<T: Send + 'static>(
-    shard: &ShardUrl,
-    f: impl FnOnce() -> Result<T, ReadError> + Send + 'static,
-) -> Result<T, ReadError> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
-        Err(ReadError::Io {
-            url: shard.to_string(),
-            what: "internal error while reading the file",
-            source: std::io::Error::other(e.to_string()),
-        })
-    })
 }
