@@ -225,6 +225,10 @@ impl Stores {
                             return Err(self.store_error(shard, e)); // no retries
                         }
                         None => {
+                            self.metrics
+                                .store_errors_total
+                                .with_label_values(&["pushback"])
+                                .inc();
                             return Err(ReadError::GaveUp {
                                 url: shard.to_string(),
                                 source: GaveUp {

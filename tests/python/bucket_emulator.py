@@ -8,8 +8,8 @@ depends on:
   - request rate: a bucket starts near 5,000 object reads/s and ramps up only slowly (GCS's
     request-rate guidelines); past that it answers ``429 Too Many Requests`` with a JSON error
     (reason ``rateLimitExceeded``), and clients are expected to retry with exponential backoff.
-    Every host's requests count against the same bucket, and object_store asks twice per
-    object (a metadata GET, then ranged GETs of the body), so a pod of daemons starting
+    Every host's requests count against the same bucket (a ranged GET per part of each
+    shard, and every retry), so a pod of daemons starting
     together meets this limit first;
   - outages: stretches of ``503`` (reason ``backendError``), or a store that accepts
     requests and never answers (only a client's own timeouts get it out);
