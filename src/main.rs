@@ -284,7 +284,7 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
     if reach_stores {
         stores.check_credentials().await?;
     }
-    let mut missing_in_all = 0usize;
+    let (mut missing_in_all, mut refused) = (0usize, 0usize);
     for (name, d) in &config.datasets {
         println!(
             "dataset {name}: {} shards, first {}, last {}, shuffle_buffer {}",
@@ -300,12 +300,24 @@ async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()>
                     lines.iter().for_each(|l| println!("{l}"));
                     warnings.iter().for_each(|w| println!("warning: {w}"));
                 }
-                Err(e) => println!("warning: {e:#}"),
+                // What stops `serve` (a manifest it cannot read, or that names other
+                // shards) fails `check` too.
+                Err(e) => {
+                    println!("error: {e:#}");
+                    refused += 1;
+                }
             }
         }
     }
-    if missing_in_all > 0 {
-        anyhow::bail!("{missing_in_all} shards cannot be read (listed above)");
+    if missing_in_all > 0 || refused > 0 {
+        let mut why = Vec::new();
+        if missing_in_all > 0 {
+            why.push(format!("{missing_in_all} shards cannot be read"));
+        }
+        if refused > 0 {
+            why.push(format!("{refused} datasets would stop `shardd serve`"));
+        }
+        anyhow::bail!("{} (listed above)", why.join(", "));
     }
     Ok(())
 }

@@ -411,7 +411,12 @@ mod tests {
         assert!(refused("/tmp/cache").contains("PrivateTmp=yes"));
         assert!(refused("/mnt/my disk/cache").contains("quoted or escaped"));
         assert!(refused("/mnt/100%/cache").contains("quoted or escaped"));
-        assert!(refused("cache").contains("is not an absolute path"));
+        // A relative cache.dir is the config directory's: /etc/shardd/cache here.
+        let relative = dropins(&config("[cache]\ndir = \"cache\""), Path::new("c.toml")).unwrap();
+        assert!(
+            relative[0].why.starts_with("cache.dir /etc/shardd/cache "),
+            "{relative:?}"
+        );
     }
 
     #[test]

@@ -220,15 +220,24 @@ impl Dataset {
 }
 
 impl Config {
-    /// Reads, parses and validates a config file. Relative local shard paths are resolved
-    /// against the config file's directory, so a config means the same whatever the cwd.
+    /// Reads, parses and validates a config file. Relative paths in it (shards, manifests,
+    /// `cache.dir`, a key file) are resolved against the config file's directory, made
+    /// absolute once, so a config means the same whatever the working directory and however
+    /// its path was typed (`--config rel.toml` too).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.into(),
             source,
         })?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        Self::parse(&text, base).map_err(|e| match e {
+        let base = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        let base = std::path::absolute(base).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Self::parse(&text, &base).map_err(|e| match e {
             ConfigError::Parse { message, .. } => ConfigError::Parse {
                 path: path.into(),
                 message,

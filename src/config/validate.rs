@@ -103,7 +103,7 @@ impl FileConfig {
         let (datasets, mixes) = validate_datasets(self.datasets, base_dir)?;
 
         Ok(Config {
-            socket: s.socket,
+            socket: base_dir.join(&s.socket),
             socket_mode,
             socket_group: s.socket_group,
             metrics_addr,
@@ -116,7 +116,7 @@ impl FileConfig {
             host,
             host_auto,
             deferred_warm: Vec::new(),
-            cache_dir: self.cache.dir,
+            cache_dir: base_dir.join(&self.cache.dir),
             cache_max_bytes,
             cache_max_share,
             prefetch_shards: self.cache.prefetch_shards,

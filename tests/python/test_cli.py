@@ -1,11 +1,12 @@
 """The command line as users and scripts type it."""
 
+import shutil
 import signal
 import subprocess
 
 import shardd
 
-from conftest import SHARDD, gcs_config
+from conftest import SHARDD, free_port, gcs_config, reference_samples, socket_accepts, wait_for
 
 
 def test_demo_verifies_an_epoch():
@@ -230,3 +231,41 @@ def test_plan_verify_certifies_a_resize_and_refuses_a_bad_checkpoint(tmp_path):
     missing = subprocess.run(plan + ["--hosts", "4", "--ranks", "1", "--workers", "2", "--from", "2,1,2"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "needs the checkpoint's positions" in missing.stderr
+
+
+def test_relative_paths_in_a_config_are_the_config_files_directorys(tmp_path, train_paths):
+    """The README's local path as a newcomer types it: shards in ./data, a manifest written by
+    `shardd index` from the same relative pattern, a config with relative shards, manifest,
+    cache and socket, `check --config rel.toml` in that directory, then `serve` started from
+    another directory (`--config proj/rel.toml`). All of it names the same files."""
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    for p in train_paths:
+        shutil.copy(p, proj / "data" / p.name)
+    pattern = f"data/train-{{000000..{len(train_paths) - 1:06d}}}.tar"
+    run = subprocess.run([SHARDD, "index", pattern, "-o", "data/train.manifest.json"], cwd=proj,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    (proj / "rel.toml").write_text(
+        f'[server]\nsocket = "shardd.sock"\nmetrics_addr = "127.0.0.1:{free_port()}"\n'
+        '[cache]\ndir = "cache"\n'
+        f'[datasets.train]\nshards = "{pattern}"\nmanifest = "data/train.manifest.json"\n'
+    )
+    check = subprocess.run([SHARDD, "check", "--config", "rel.toml"], cwd=proj,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "warning" not in (check.stdout + check.stderr).lower(), check.stdout + check.stderr
+    with open(tmp_path / "serve.log", "w") as log:
+        daemon = subprocess.Popen([SHARDD, "serve", "--config", "proj/rel.toml"], cwd=tmp_path,
+                                  stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: daemon.poll() is None and socket_accepts(proj / "shardd.sock"),
+                 f"shardd to serve at proj/shardd.sock (log: {tmp_path / 'serve.log'})")
+        with shardd.Client(proj / "shardd.sock") as c:
+            got = list(c.stream("train", epoch=0, rank=0, world_size=1))
+        assert {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in got} \
+            == reference_samples(train_paths)
+        assert any((proj / "cache").iterdir()), "the cache is the config directory's"
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0
