@@ -37,9 +37,9 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Validate a config and list each dataset's shards.
     /// Validate a config, list each dataset's shards, and ask the stores for every shard
-    /// (a HEAD or stat each): missing ones, total bytes, the largest. Exit 1 if any is missing.
+    /// (a HEAD or stat each): missing ones, total bytes, the largest. Exit 1 if any is missing
+    /// or anything else would stop `shardd serve`.
     Check {
         #[arg(long)]
         config: PathBuf,
@@ -157,10 +157,26 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             // One line with the whole cause chain: what an operator reads in the journal.
-            eprintln!("shardd: error: {e:#}");
+            eprintln!("shardd: error: {}", one_line(&e));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line, each cause once: a cause an error's message already
+/// holds (a thiserror `{source}`) is not repeated.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {

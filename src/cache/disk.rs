@@ -41,8 +41,19 @@ pub enum OpenError {
         "the cache directory {dir} is in use by another shardd (pid {pid}); two daemons must not share cache.dir"
     )]
     Locked { dir: PathBuf, pid: String },
-    #[error("cannot open the cache directory {dir}: {source}")]
+    #[error("cannot open the cache directory {dir}: {source}{}", hint(source))]
     Io { dir: PathBuf, source: io::Error },
+}
+
+/// What to change when the user may not write the directory (a daemon run as a normal user
+/// with the defaults, which are root's).
+fn hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem => {
+            "; set [cache] dir in the config to a directory this user may write (a relative path is the config file's directory's)"
+        }
+        _ => "",
+    }
 }
 
 /// An entry's metadata record.

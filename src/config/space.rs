@@ -173,7 +173,8 @@ pub struct WorkingSet {
     pub streams: u64,
     /// Shards one shuffle window spans: ⌈shuffle_buffer / samples per shard⌉.
     pub window_shards: u64,
-    /// Shards one stream holds: its window's, the one it parses next and one loading.
+    /// Shards one stream holds: its window's, the one it parses next and one loading (at
+    /// most the share's).
     pub stream_shards: u64,
     /// The mean shard size (rounded up).
     pub shard_bytes: u64,
@@ -198,13 +199,15 @@ pub fn working_set(
     zero_copy_share: f64,
 ) -> WorkingSet {
     let shard_bytes = bytes.div_ceil(shards.max(1));
+    // Never more than the share: a window larger than the dataset spans all of it.
+    let all = shards.max(1);
     let window_shards = if samples == 0 {
         1
     } else {
         // ⌈shuffle_buffer / (samples / shards)⌉, in integers.
-        ((shuffle_buffer as u128 * shards as u128).div_ceil(samples as u128) as u64).max(1)
+        ((shuffle_buffer as u128 * shards as u128).div_ceil(samples as u128) as u64).clamp(1, all)
     };
-    let stream_shards = window_shards + 2;
+    let stream_shards = (window_shards + 2).min(all);
     let held = streams
         .saturating_mul(stream_shards)
         .saturating_mul(shard_bytes)
@@ -270,10 +273,15 @@ pub fn streams_line(
     let max = config.cache_max_bytes;
     let fits = streams_that_fit(max, &one, maps, share);
     let line = format!(
-        "dataset {name}: a stream holds {} shards ({} of its shuffle window of {} samples, + 2) of {} bytes on average: {} bytes, {} with zero copy's maps; cache.max_size ({max} bytes) holds {fits} streams at once (shardd plan sizes a whole job)",
+        "dataset {name}: a stream holds {} shards ({} of its shuffle window of {} samples, + 2{}) of {} bytes on average: {} bytes, {} with zero copy's maps; cache.max_size ({max} bytes) holds {fits} streams at once (shardd plan sizes a whole job)",
         one.stream_shards,
         one.window_shards,
         d.shuffle_buffer,
+        if one.stream_shards < one.window_shards + 2 {
+            format!(", at most the dataset's {}", d.shards.len())
+        } else {
+            String::new()
+        },
         one.shard_bytes,
         one.bytes,
         one.min_budget

@@ -268,6 +268,7 @@ impl Metrics {
         self.bytes_sent_total.with_label_values(&[dataset]);
         self.stream_wait_seconds_total.with_label_values(&[dataset]);
         self.client_wait_seconds_total.with_label_values(&[dataset]);
+        self.first_sample_seconds.with_label_values(&[dataset]);
     }
 
     fn init_labels(&self) {

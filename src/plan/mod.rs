@@ -121,7 +121,9 @@ pub enum PlanError {
     ZeroWorld,
     #[error("rank {rank} must be less than world_size {world_size}")]
     RankOutOfRange { rank: u32, world_size: u32 },
-    #[error("world_size {world_size} is not divisible by the host count {hosts}")]
+    #[error(
+        "world_size {world_size} is not divisible by the host count {hosts}: every host serves as many ranks; set host.count in the daemon's config to the number of hosts the job runs on (or host.count = \"auto\")"
+    )]
     UnevenHosts { world_size: u32, hosts: u32 },
     #[error(
         "rank {rank} is not on this host: host {host} of {hosts} serves ranks {first}..={last} of world_size {world_size}"

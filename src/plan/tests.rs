@@ -411,7 +411,7 @@ fn refuses_what_this_host_cannot_serve() {
     );
     assert_eq!(
         err(req(0, 0, 1, 3, 0, 1)),
-        "world_size 3 is not divisible by the host count 2"
+        "world_size 3 is not divisible by the host count 2: every host serves as many ranks; set host.count in the daemon's config to the number of hosts the job runs on (or host.count = \"auto\")"
     );
     assert_eq!(
         err(req(0, 0, 1, 4, 0, 1)),

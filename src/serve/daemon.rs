@@ -93,10 +93,20 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
             });
         }
     };
+    // Bound at a temporary name and renamed into place: the config's path is the socket's
+    // (a socket systemd passed is where systemd made it).
+    let socket = match guard {
+        Some(_) => config.socket.clone(),
+        None => listener
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(Path::to_path_buf))
+            .unwrap_or_else(|| config.socket.clone()),
+    };
     tracing::info!(
-        socket = ?listener.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf)),
+        socket = %socket.display(),
         activated = guard.is_none(),
-        metrics = ?config.metrics_addr,
+        metrics = %config.metrics_addr.map_or("off".to_string(), |a| a.to_string()),
         datasets = config.datasets.len(),
         host = config.host.index,
         hosts = config.host.count,
@@ -105,6 +115,7 @@ pub async fn run(mut config: Config, shutdown: CancellationToken) -> Result<(), 
     let learned = Arc::new(crate::serve::learned_host::Learned::new(
         config.deferred_warm.clone(),
     ));
+    crate::serve::learned_host::export_fixed(&config, &metrics.registry);
     let board =
         crate::serve::status::Board::new(Arc::new(config.clone()), cache.clone(), learned.clone());
     let http_task = http.map(|l| {

@@ -49,7 +49,7 @@ struct State {
     /// The host whose share was last checked and warmed.
     adopted: Option<Topology>,
     adopting: Option<tokio::task::AbortHandle>,
-    /// `shardd_host_index` (-1 until learned) and `shardd_host_count`.
+    /// `shardd_host_index` (-1 until learned) and `shardd_hosts`.
     gauges: Option<(prometheus::IntGauge, prometheus::IntGauge)>,
 }
 
@@ -216,6 +216,18 @@ fn as_host(daemon: &Daemon, host: Topology) -> Arc<Daemon> {
     })
 }
 
+/// A host whose place is fixed at start (`host.index` a number, or `"auto"` from the
+/// environment or the metadata server) exports it from the start, as a host that learns it
+/// from its streams does once it has.
+pub fn export_fixed(config: &Config, registry: &prometheus::Registry) {
+    if config.host_auto.from_clients {
+        return;
+    }
+    let (index, count) = gauges(registry);
+    index.set(config.host.index as i64);
+    count.set(config.host.count as i64);
+}
+
 fn gauges(registry: &prometheus::Registry) -> (prometheus::IntGauge, prometheus::IntGauge) {
     let gauge = |name: &str, help: &str| {
         let g = prometheus::IntGauge::new(name, help).expect("a valid metric");
@@ -225,13 +237,10 @@ fn gauges(registry: &prometheus::Registry) -> (prometheus::IntGauge, prometheus:
     };
     let index = gauge(
         "host_index",
-        "This host's index among the job's hosts, learned from the streams (host.index = \"from-clients\"; -1 until the first stream).",
+        "This host's index among the job's hosts (with host.index = \"from-clients\", learned from the streams: -1 until the first).",
     );
     index.set(-1);
-    (
-        index,
-        gauge("host_count", "host.count: the hosts of the job."),
-    )
+    (index, gauge("hosts", "host.count: the hosts of the job."))
 }
 
 /// What a daemon does at start for its host's share, done once the host is learned: checks

@@ -351,7 +351,7 @@ def test_from_clients_learns_the_host_from_the_first_stream(fake_gcs, manifest, 
     got = read_all(node.socket, ranks, 16, 2)
     want = read_all(fixed.socket, ranks, 16, 2)
     assert got == want and all(got.values())
-    assert node.metric("shardd_host_index") == 2 and node.metric("shardd_host_count") == 4
+    assert node.metric("shardd_host_index") == 2 and node.metric("shardd_hosts") == 4
     s = node.status()
     assert (s["host_index"], s["host_count"]) == (2, 4)
     status = subprocess.run([SHARDD, "status", "--url", node.url], capture_output=True, text=True)

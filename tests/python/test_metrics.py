@@ -1,5 +1,7 @@
 """The metrics endpoint, checked by the real promtool."""
 
+import pathlib
+import re
 import shutil
 import subprocess
 
@@ -116,3 +118,22 @@ def test_a_real_prometheus_scrapes_the_daemon(make_daemon, fake_gcs, tmp_path):
         assert float(wait_for(result, "a scrape")) == served
     finally:
         prom.stop()
+
+
+def test_every_metric_the_docs_list_is_exported_from_the_start(make_daemon, fake_gcs):
+    """docs/operations.md's metrics table, against a daemon that has served nothing yet (a
+    fixed host index: shardd_host_index and shardd_hosts too). A histogram is exported as
+    its _count; a family whose only label is a mix's schedule entry needs a mix, which this
+    config has none of."""
+    table = (pathlib.Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    listed = dict(re.findall(r"^\| `(shardd_\w+)` \| (\w+) \|", table, re.M))
+    assert len(listed) > 30, "the metrics table was not found"
+    d = make_daemon(gcs_config(fake_gcs, host_index=0, host_count=1))
+    text = d.metrics()
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("shardd_")}
+    missing = [
+        name for name, kind in listed.items()
+        if (f"{name}_count" if kind == "histogram" else name) not in exported and name != "shardd_mix_schedule_entry"
+    ]
+    assert missing == [], f"listed in docs/operations.md, not exported: {missing}"
+    assert d.metric("shardd_host_index") == 0 and d.metric("shardd_hosts") == 1
