@@ -181,11 +181,13 @@ fn one_line(e: &anyhow::Error) -> String {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     // The demo prints its own report; the daemon inside it only speaks up about problems.
-    // Retries are logged at debug (src/store/http.rs): SHARDD_LOG=info,shardd::store=debug
-    // shows each one; errors say what failed and for how long.
+    // The one-shot commands leave out object_store's info lines (credential fetches): their
+    // errors say what failed. Retries are shardd's own debug lines (src/store/http.rs):
+    // SHARDD_LOG=info,shardd::store=debug shows each one.
     let default_level = match cli.command {
         Command::Demo => "warn",
-        _ => "info",
+        Command::Serve { .. } => "info",
+        _ => "info,object_store=warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SHARDD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));

@@ -67,17 +67,23 @@ pub(super) fn bucket(
         .store_request_rate_limit
         .with_label_values(&[&label])
         .set(config.max_requests_per_second.unwrap_or(0.0));
-    let connector = |retry_timeout| Connector {
+    let connector = |retry_timeout, most_retries| Connector {
         kind,
         bucket: name.to_string(),
         label: label.clone(),
         pacer: pacer.clone(),
         retry_timeout,
+        most_retries,
         metrics: metrics.clone(),
     };
+    // The probe answers within store.credentials_timeout, after two retries at most, in the
+    // credential source's own words (a refused connection, a 404).
     let (main, quick) = (
-        connector(config.retry_timeout),
-        connector(config.retry_timeout.min(config.credentials_timeout)),
+        connector(config.retry_timeout, None),
+        connector(
+            config.retry_timeout.min(config.credentials_timeout),
+            Some(2),
+        ),
     );
     let (store, probe): (Arc<dyn ObjectStore>, Probe) = if scheme == "gs" {
         let section = config.gcs.as_ref();

@@ -38,6 +38,8 @@ pub(super) struct Connector {
     pub pacer: Arc<Pacer>,
     /// `store.retry_timeout` (zero when `store.retries = 0`).
     pub retry_timeout: Duration,
+    /// At most this many retries too: the credentials probe's (`build.rs`).
+    pub most_retries: Option<u32>,
     pub metrics: Arc<Metrics>,
 }
 
@@ -75,6 +77,9 @@ impl HttpService for Client {
         };
         let urgency = Urgency::current();
         let mut retries = Retries::new(c.retry_timeout);
+        if let Some(most) = c.most_retries {
+            retries = retries.at_most(most);
+        }
         loop {
             if bucket {
                 let paced = c.pacer.acquire(&urgency).await;
@@ -107,8 +112,10 @@ impl HttpService for Client {
             }
             let cause = describe(&result);
             let Some(wait) = retries.failed(outcome) else {
-                if !outcome.is_pushback() {
-                    return result; // the request's own answer: object_store says what it is
+                if !outcome.is_pushback() || !bucket {
+                    // The request's own answer, or a token request's (the credential
+                    // source's words): object_store says what it is.
+                    return result;
                 }
                 let kind = match &result {
                     Err(e) => e.kind(),
@@ -160,10 +167,25 @@ fn describe(result: &Result<HttpResponse, HttpError>) -> String {
     match result {
         Ok(response) => format!("answered {}", response.status()),
         Err(e) => match Outcome::of_transport(e) {
-            Outcome::Timeout => format!("timed out ({e})"),
-            _ => format!("could not be reached ({e})"),
+            Outcome::Timeout => format!("timed out ({})", chain(e)),
+            _ => format!("could not be reached ({})", chain(e)),
         },
     }
+}
+
+/// An error and its sources, each once: "error sending request: tcp connect error:
+/// Connection refused (os error 111)".
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        next = cause.source();
+    }
+    text
 }
 
 /// A request to send again: GETs and HEADs have empty bodies, and a PUT's body is bytes

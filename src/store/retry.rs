@@ -85,6 +85,8 @@ impl Outcome {
 #[derive(Debug)]
 pub struct Retries {
     timeout: Duration,
+    /// At most this many retries too (the credentials probe's few); `None`: time alone.
+    most: Option<u32>,
     first_failure: Option<Instant>,
     failures: u32,
     jitter: u64,
@@ -95,10 +97,18 @@ impl Retries {
     pub fn new(timeout: Duration) -> Retries {
         Retries {
             timeout,
+            most: None,
             first_failure: None,
             failures: 0,
             jitter: seed(),
         }
+    }
+
+    /// Also at most `most` retries: for a probe that must answer quickly with the store's own
+    /// words (the credentials check), never for a request a trainer waits for.
+    pub fn at_most(mut self, most: u32) -> Retries {
+        self.most = Some(most);
+        self
     }
 
     /// Counts a failure (`outcome`, pushback or not); returns how long to wait before the
@@ -107,7 +117,10 @@ impl Retries {
     pub fn failed(&mut self, outcome: Outcome) -> Option<Duration> {
         let first = *self.first_failure.get_or_insert_with(Instant::now);
         self.failures += 1;
-        if !outcome.is_pushback() || first.elapsed() >= self.timeout {
+        if !outcome.is_pushback()
+            || first.elapsed() >= self.timeout
+            || self.most.is_some_and(|most| self.failures > most)
+        {
             return None;
         }
         let cap = FIRST_BACKOFF
@@ -232,11 +245,16 @@ mod tests {
             None,
             "retry_timeout 0: no retries"
         );
-        // Many failures in little time are not a reason to stop: only the time is.
+        // Many failures in little time are not a reason to stop: only the time is...
         let mut r = Retries::new(Duration::from_secs(60));
         for _ in 0..1000 {
             assert!(r.failed(Outcome::Timeout).is_some());
         }
+        // ...but for a probe that asks for a few retries at most.
+        let mut r = Retries::new(Duration::from_secs(60)).at_most(2);
+        assert!(r.failed(Outcome::Unavailable).is_some());
+        assert!(r.failed(Outcome::Unavailable).is_some());
+        assert_eq!(r.failed(Outcome::Unavailable), None);
     }
 
     #[test]

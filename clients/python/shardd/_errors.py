@@ -36,14 +36,22 @@ class ConnectionLostError(ProtocolError, ConnectionError):
 
 class UnavailableError(Error, ConnectionError):
     """No shardd daemon could be reached at the socket: at once when the path cannot be a
-    daemon's socket (not a directory, permission denied) or ``reconnect_timeout=0``, else once
-    ``reconnect_timeout`` seconds of attempts have passed. The message names the socket, the
-    time waited and the last cause."""
+    daemon's socket (not a directory, permission denied) or ``reconnect_timeout=0``; after
+    ``first_connect_timeout`` seconds when a client's first connection finds no socket file
+    there; else once ``reconnect_timeout`` seconds of attempts have passed. The message names
+    the socket, the time waited and the cause (for no socket and for permission denied, the
+    likely reasons and the settings that change them).
 
-    def __init__(self, message, retry=False, reason=None):
+    ``errno``: the connect() error behind it, if there was one. ``absent``: for a first
+    connection that found no socket, the facts its message was made of (``shardd.torch`` and
+    ``shardd.grain`` tell the same with their own argument names); else None."""
+
+    def __init__(self, message, retry=False, reason=None, errno=None, absent=None):
         super().__init__(message)
         self.retry = retry  # whether a daemon (re)starting there would explain it
         self.reason = reason or message  # the cause alone, e.g. "Connection refused"
+        self.errno = errno
+        self.absent = absent
 
 
 class StreamTimeoutError(Error, TimeoutError):

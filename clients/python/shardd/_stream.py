@@ -32,6 +32,10 @@ class Stream(ReadingAhead, Reconnecting):
     line when the stream resumed. Opening the stream waits for the daemon the same way, so a
     DataLoader worker that opens an epoch while the daemon restarts goes on too; a wrong
     socket path is named in that first warning. ``reconnects`` counts the outages survived.
+    ``first_connect`` (seconds, or None): given when the client never reached a daemon, an
+    opening that finds no socket file is retried that long only, then raises
+    ``UnavailableError`` with the likely causes (a socket that is there, or a systemd unit
+    that is starting, is waited for as above).
 
     With read-ahead (``readahead`` bytes, > 0) a thread receives the batches and all of the
     above runs in it: its errors reach the caller in order, after the samples received before
@@ -44,14 +48,14 @@ class Stream(ReadingAhead, Reconnecting):
 
     def __init__(self, socket_path, request, timeout=None, on_close=None,
                  reconnect_timeout=RECONNECT_TIMEOUT, readahead=0, prefetch=None,
-                 speculative=False, eager=False, sample_seeds=False):
+                 speculative=False, eager=False, sample_seeds=False, first_connect=None):
         self._closed = False
         # ``__seed__`` on every sample (``_seeds``): computed here, never sent.
         self._sample_seeds = sample_seeds
         self._on_close = on_close
         self._frames = FrameReader(socket_path)
         self._zero_copy = ZeroCopy(socket_path)
-        self._init_connection(socket_path, request, timeout, reconnect_timeout)
+        self._init_connection(socket_path, request, timeout, reconnect_timeout, first_connect)
         self._init_readahead(readahead, prefetch, speculative)
         self._pending = []  # the batch being yielded
         self._pos = 0  # samples of it yielded

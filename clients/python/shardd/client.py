@@ -48,7 +48,8 @@ from ._frames import (
     VERSION,
 )
 from ._readahead import READAHEAD
-from ._reconnect import RECONNECT_TIMEOUT, RETRY_CODES
+from ._reconnect import FIRST_CONNECT_TIMEOUT, RECONNECT_TIMEOUT, RETRY_CODES
+from ._reconnect import retold  # for shardd.torch and shardd.grain: their errors' wording
 from ._stream import Stream
 
 # The public classes keep the name users know them by (``shardd.client.DaemonError``) in
@@ -70,6 +71,17 @@ class Client:
     receive of large fields). ``reconnect_timeout``: how long a stream keeps trying to reach a
     daemon that went away, in seconds (default 300; 0 turns reconnecting off; ``float("inf")``
     never gives up); see ``Stream``.
+
+    ``first_connect_timeout`` (default 5 s, ``FIRST_CONNECT_TIMEOUT``): how long a stream
+    opened before any stream of this client reached the daemon keeps trying when there is no
+    socket file at ``socket_path``. No daemon was ever seen there (not started, another path,
+    died at start-up), so it then raises ``UnavailableError`` naming the path, the daemon's
+    ``server.socket`` and the likely causes, instead of waiting ``reconnect_timeout``. A socket
+    file that is there (a daemon restarting; systemd's, with socket activation) or a systemd
+    ``shardd.service`` that is starting is waited for up to ``reconnect_timeout``, as is a
+    socket gone once a stream of this client was served (``connected``: a restart). A socket
+    the process may not open (permission denied) raises at once, naming its mode and owners.
+    ``reconnect_timeout=0`` raises any of these at once.
 
     ``readahead``: bytes of batches each stream may receive ahead of the caller (default 4 MiB,
     ``READAHEAD``): a background thread per stream receives and decodes the next batches while
@@ -109,7 +121,8 @@ class Client:
 
     def __init__(self, socket_path, timeout=None, reconnect_timeout=RECONNECT_TIMEOUT,
                  readahead=READAHEAD, prefetch_next_epoch=False, eager_readahead=False,
-                 zero_copy=False, sample_seeds=False):
+                 zero_copy=False, sample_seeds=False,
+                 first_connect_timeout=FIRST_CONNECT_TIMEOUT):
         self.socket_path = str(socket_path)
         self.sample_seeds = bool(sample_seeds)
         # Protocol 5: each stream asks for its shards' cache files as descriptors; large
@@ -117,6 +130,11 @@ class Client:
         self.zero_copy = bool(zero_copy)
         self.timeout = timeout
         self.reconnect_timeout = max(0.0, float(reconnect_timeout))  # inf: wait forever
+        self.first_connect_timeout = max(0.0, float(first_connect_timeout))
+        # Whether a stream of this client has reached the daemon: a missing socket is then a
+        # restart, waited for up to reconnect_timeout. A framework whose processes make clients
+        # of their own (shardd.torch's DataLoader workers) sets it from what the others saw.
+        self.connected = False
         self.readahead = max(0, int(readahead))
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self.eager_readahead = bool(eager_readahead)
@@ -167,9 +185,14 @@ class Client:
             s = Stream(self.socket_path, request, self.timeout, self._open.discard,
                        self.reconnect_timeout, readahead=self.readahead,
                        prefetch=self._prefetcher(), eager=self.eager_readahead,
-                       sample_seeds=self.sample_seeds)
+                       sample_seeds=self.sample_seeds, first_connect=self._first_connect())
+        self.connected = True
         self._open.add(s)
         return s
+
+    def _first_connect(self):
+        """The grace a stream's opening gives a missing socket: None once the daemon was seen."""
+        return None if self.connected else self.first_connect_timeout
 
     def _prefetcher(self):
         if not (self.readahead and self.prefetch_next_epoch):
@@ -240,7 +263,9 @@ class Client:
             request["resume_from"] = _origin(resume_from)
         if history:
             request["history"] = _history(history)
-        with Stream(self.socket_path, request, self.timeout, None, self.reconnect_timeout) as s:
+        with Stream(self.socket_path, request, self.timeout, None, self.reconnect_timeout,
+                    first_connect=self._first_connect()) as s:
+            self.connected = True
             for _ in s:
                 raise ProtocolError(f"the daemon at {self.socket_path} sent samples for a plan "
                                     f"request (it speaks protocol {s.peer_version}; op plan "

@@ -33,10 +33,12 @@ import threading
 import grain
 
 from .client import (
+    FIRST_CONNECT_TIMEOUT,
     RECONNECT_TIMEOUT,
     Client,
     PlanChangedError,
     UnavailableError,
+    retold,
 )
 
 __all__ = ["ShardDataset", "DEFAULT_SOCKET", "PlanChangedError"]
@@ -45,6 +47,8 @@ DEFAULT_SOCKET = "/run/shardd/shardd.sock"
 STATE_VERSION = 1
 # Decoded BATCH frames (about 1 MiB of payload each) a stream's thread reads ahead.
 READ_AHEAD = 4
+# How this API takes a socket path, in the errors that name the daemon's server.socket.
+POINT_AT = "pass that path as ShardDataset(socket=...) or in $SHARDD_SOCKET"
 
 _END = object()
 
@@ -65,16 +69,19 @@ class ShardDataset(grain.IterDataset):
     iterator reads (None: without end). ``num_streams``: daemon streams this process reads at
     once, each in a thread (more streams: more shards read and parsed in parallel by the
     daemon, a deeper read-ahead). ``timeout``, ``reconnect_timeout``, ``zero_copy``,
-    ``sample_seeds`` (each sample's ``__seed__``, for ``random_map``-like augmentation): as for
-    ``Client`` (with zero copy, fields over 4 KiB are read-only memoryviews of the daemon's
-    cache files: a pipeline's first ``map`` should turn them into arrays).
+    ``sample_seeds`` (each sample's ``__seed__``, for ``random_map``-like augmentation),
+    ``first_connect_timeout`` (an iterator whose streams never reached the daemon fails after
+    that long, default 5 s, when there is no socket file at ``socket``): as for ``Client``
+    (with zero copy, fields over 4 KiB are read-only memoryviews of the daemon's cache files:
+    a pipeline's first ``map`` should turn them into arrays).
 
     Iterators yield webdataset-shaped dicts: ``{"__key__": str, "__url__": str, field: bytes}``.
     """
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
                  num_epochs=1, num_streams=1, timeout=None,
-                 reconnect_timeout=RECONNECT_TIMEOUT, zero_copy=False, sample_seeds=False):
+                 reconnect_timeout=RECONNECT_TIMEOUT, zero_copy=False, sample_seeds=False,
+                 first_connect_timeout=FIRST_CONNECT_TIMEOUT):
         super().__init__()
         if rank is None or world_size is None:
             jax_rank, jax_world = _jax_topology()
@@ -92,6 +99,7 @@ class ShardDataset(grain.IterDataset):
         self.num_streams = int(num_streams)
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        self.first_connect_timeout = first_connect_timeout
         self.zero_copy = bool(zero_copy)
         self.sample_seeds = bool(sample_seeds)
         # mp_prefetch's worker slice (set_slice): this process reads the streams whose index
@@ -173,9 +181,8 @@ class _Reader:
                 if self._stopped:
                     return
             if isinstance(e, UnavailableError):
-                e = UnavailableError(
-                    f"{e}: start `shardd serve`, or pass ShardDataset(socket=...) or set "
-                    f"SHARDD_SOCKET to its server.socket", e.retry, e.reason)
+                e = retold(e, POINT_AT, "start `shardd serve`, or pass ShardDataset(socket=...) "
+                                        "or set SHARDD_SOCKET to its server.socket")
             self._put(e)
         finally:
             if self._stream is not None:
@@ -240,7 +247,8 @@ class ShardDatasetIterator(grain.DatasetIterator):
                               world_size=ds.world_size, num_workers=self._num_workers,
                               workers=list(self._workers))
         self._client = Client(ds.socket, ds.timeout, ds.reconnect_timeout, prefetch_next_epoch=True,
-                              zero_copy=ds.zero_copy, sample_seeds=ds.sample_seeds)
+                              zero_copy=ds.zero_copy, sample_seeds=ds.sample_seeds,
+                              first_connect_timeout=ds.first_connect_timeout)
         self._end_epoch = None if ds.num_epochs is None else ds.epoch + ds.num_epochs
         self._readers = None
         self._reset(ds.epoch)

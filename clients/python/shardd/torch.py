@@ -26,7 +26,10 @@ shardd[torch]``). Everything here is a thin layer over ``shardd.Client.stream``:
   ranks, as many samples on each (the daemon's ``resume_from``, proto/PROTOCOL.md).
 - **Daemon restarts.** The client's streams reconnect and resume at their position when the
   daemon restarts (``reconnect_timeout``, default 300 s; proto/PROTOCOL.md, "Reconnecting"),
-  so a worker's stream survives a restart without the trainer seeing it.
+  so a worker's stream survives a restart without the trainer seeing it. Until a stream of
+  the dataset has reached the daemon (in any of its processes), no socket file at ``socket``
+  is not a restart: it fails after ``first_connect_timeout`` (default 5 s) with the likely
+  causes.
 - **Samples** are the client's: webdataset-shaped dicts (``__key__``, ``__url__``, field ->
   bytes); ``compose(*stages)`` applies webdataset pipeline stages inside the worker.
 """
@@ -40,6 +43,7 @@ import torch
 import torch.utils.data
 
 from .client import (
+    FIRST_CONNECT_TIMEOUT,
     RECONNECT_TIMEOUT,
     Client,
     DaemonError,
@@ -50,6 +54,7 @@ from .client import (
     UnavailableError,
     next_history,
     register_fork_hook,
+    retold,
 )
 
 __all__ = [
@@ -92,15 +97,22 @@ def _xla_topology():
     return (xr.global_ordinal(), world) if world > 1 else None
 
 
-def _ask(client, op, dataset, **kw):
+# How this API takes a socket path, in the errors that name the daemon's server.socket.
+POINT_AT = "pass that path as ShardDataset(socket=...) or in $SHARDD_SOCKET"
+
+
+def _ask(client, op, dataset, served=None, **kw):
     """``client.stream(dataset, **kw)`` (or ``plan``), saying what to do when no daemon
-    listens at the socket."""
+    listens at the socket. ``served``: the dataset's shared flag, set once the daemon answered
+    (so that the clients of later DataLoader workers take a missing socket for a restart)."""
     try:
-        return getattr(client, op)(dataset, **kw)
+        got = getattr(client, op)(dataset, **kw)
     except UnavailableError as e:
-        raise UnavailableError(
-            f"{e}: start `shardd serve`, or pass ShardDataset(socket=...) or set SHARDD_SOCKET "
-            f"to its server.socket", e.retry, e.reason) from e
+        raise retold(e, POINT_AT, "start `shardd serve`, or pass ShardDataset(socket=...) or "
+                                  "set SHARDD_SOCKET to its server.socket") from e
+    if served is not None and not served[0]:
+        served[0] = True
+    return got
 
 
 def _worker():
@@ -164,8 +176,9 @@ class _ShardIterator:
     """The iterator ``ShardDataset.__iter__`` makes: opens its stream on the first ``next``.
     It holds no reference to itself (no cycle), so dropping it closes the stream at once."""
 
-    def __init__(self, client, cursor, past_end_is_empty):
+    def __init__(self, client, cursor, past_end_is_empty, served=None):
         self._client = client
+        self._served = served
         self._cursor = cursor
         self._past_end_is_empty = past_end_is_empty
         self._next = _exhausted if cursor.ended else None
@@ -196,8 +209,8 @@ class _ShardIterator:
         f = c.fields
         try:
             stream = _ask(
-                self._client, "stream", f["dataset"], epoch=f["epoch"], rank=f["rank"],
-                world_size=f["world_size"], seed=f["seed"], worker=f["worker"],
+                self._client, "stream", f["dataset"], served=self._served, epoch=f["epoch"],
+                rank=f["rank"], world_size=f["world_size"], seed=f["seed"], worker=f["worker"],
                 num_workers=f["num_workers"], start=c.start, resume_from=f.get("resume_from"),
                 history=f.get("history"))
         except DaemonError as e:
@@ -266,6 +279,11 @@ class ShardDataset(torch.utils.data.IterableDataset):
     (``set_epoch`` changes it). ``timeout``: the socket timeout in seconds (None: block).
     ``reconnect_timeout``: how long a stream waits for a daemon that went away (restarted,
     killed) before it raises, in seconds; it then resumes at its position (0: raise at once).
+    ``first_connect_timeout`` (default 5 s): how long the dataset's first stream (or plan
+    check) waits when there is no socket file at ``socket`` before it raises
+    ``UnavailableError`` naming the path, the daemon's ``server.socket`` and the likely causes;
+    once a stream has reached the daemon (in any process: the flag is in shared memory, so
+    the workers of later epochs know), a missing socket is a restart (``shardd.Client``).
     ``check_plan``: let ``set_epoch`` compare the plan fingerprints of all ranks when
     ``torch.distributed`` is initialised and the dataset spans its whole world: True (over
     the default process group), False, or the process group to use (e.g. a gloo group when
@@ -288,8 +306,14 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, dataset, socket=None, rank=None, world_size=None, seed=0, epoch=0,
                  timeout=None, check_plan=True, reconnect_timeout=RECONNECT_TIMEOUT,
-                 resume_from=None, prefetch_next_epoch=True, zero_copy=False, sample_seeds=False):
+                 resume_from=None, prefetch_next_epoch=True, zero_copy=False, sample_seeds=False,
+                 first_connect_timeout=FIRST_CONNECT_TIMEOUT):
         super().__init__()
+        self.first_connect_timeout = first_connect_timeout
+        # Shared memory, like the epoch: set once any process's stream reached the daemon, so
+        # that the DataLoader workers of the next epochs (new processes, new clients) wait out
+        # a restart (reconnect_timeout) instead of failing as for a daemon never seen.
+        self._served = torch.zeros(1, dtype=torch.bool).share_memory_()
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self.zero_copy = bool(zero_copy)
         self.sample_seeds = bool(sample_seeds)
@@ -377,9 +401,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
             cached = (os.getpid(), Client(self.socket, self.timeout, self.reconnect_timeout,
                                           prefetch_next_epoch=self.prefetch_next_epoch,
                                           zero_copy=self.zero_copy,
-                                          sample_seeds=self.sample_seeds))
+                                          sample_seeds=self.sample_seeds,
+                                          first_connect_timeout=self.first_connect_timeout))
             self._client_of = cached
-        return cached[1]
+        client = cached[1]
+        if not client.connected and bool(self._served[0]):
+            client.connected = True
+        return client
 
     def _probe(self, num_workers=1):
         """The START of the stream of (this rank, worker 0 of ``num_workers``) for the current
@@ -388,8 +416,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return self._plan(0, num_workers)
 
     def _plan(self, worker, num_workers):
-        return _ask(self._client(), "plan", self.dataset, epoch=self.epoch, rank=self.rank,
-                    world_size=self.world_size, seed=self.seed, worker=worker,
+        return _ask(self._client(), "plan", self.dataset, served=self._served, epoch=self.epoch,
+                    rank=self.rank, world_size=self.world_size, seed=self.seed, worker=worker,
                     num_workers=max(1, int(num_workers)), resume_from=self._origin(self.epoch),
                     history=self._history(self.epoch))
 
@@ -500,7 +528,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
             cursor.start = cursor.position = resume["position"]
             cursor.ended = True
         self._cursor = cursor
-        it = _ShardIterator(self._client(), cursor, past_end_is_empty)
+        it = _ShardIterator(self._client(), cursor, past_end_is_empty, self._served)
         source = it
         for stage in self._stages:
             source = stage(source)
