@@ -2,19 +2,21 @@
 //!
 //! A pod's hosts share one bucket, which answers 429 past its request rate (GCS: about 5,000
 //! object reads per second for a new bucket, more after a ramp-up). Each host paces its
-//! requests with a token bucket whose rate follows the bucket's answers, as TCP's window
-//! follows the network's (additive increase, multiplicative decrease, with slow start):
+//! requests with a token bucket whose rate follows the bucket's answers, as CUBIC's window
+//! follows a network's losses (the AWS SDKs' adaptive retry mode does the same for rates):
 //!
 //! - **No limit** until the first 429 (or `store.max_requests_per_second`, a ceiling the
 //!   operator gives each host). A bucket that never throttles costs nothing.
-//! - **A 429** sets the rate to [`DECREASE`] × the rate the host was sending at, at most once
-//!   per round: a 429 to a request sent before the last decrease says nothing about the new
-//!   rate (the burst that was in flight), so it does not cut again. The rate never falls
-//!   below [`MIN_RATE`].
-//! - **A success** while the limit holds requests back raises the rate by [`PROBE`] × the
-//!   rate of the last decrease per second: the pod probes for more a few percent at a time,
-//!   so that its 429s stay a small share of its requests, and is back where it was cut within
-//!   seconds.
+//! - **A 429** sets the rate to [`DECREASE`] × the rate the host was sending at, and that
+//!   rate is remembered as the last good one. At most once per [`COOLDOWN`], and never for
+//!   a 429 to a request sent before the last cut: while the other hosts of the pod are still
+//!   bursting, the 429s of one second are one signal, not many (cut once per 429, a host fell
+//!   to a tenth of its share in a second, and took a minute to climb back).
+//! - **Then the rate climbs back** while the limit holds requests back, along a cubic of the
+//!   time since the cut: quickly at first, level near the last good rate ([`RECOVER`] after
+//!   the cut), then faster and faster past it, to find what the hosts that finished left.
+//!   It never runs ahead of twice what the host sends: an idle host's limit does not grow.
+//!   The rate never falls below [`MIN_RATE`].
 //! - **503s and timeouts** do not lower the rate: an outage is not a rate, and a rate cut to
 //!   the floor during one would take minutes to climb back. Each request backs off on its own
 //!   instead ([`super::retry`]), and its retries pass through this pacer like any request.
@@ -37,9 +39,11 @@ use tokio::time::Instant;
 /// The rate after a 429, as a share of the rate sent at (CUBIC's β).
 pub const DECREASE: f64 = 0.7;
 /// The lowest rate, requests per second: a throttled host still asks now and then.
-pub const MIN_RATE: f64 = 1.0;
-/// Above the last decrease's rate, the rate grows by this share of it per second.
-pub const PROBE: f64 = 0.05;
+pub const MIN_RATE: f64 = 0.5;
+/// At most one cut per this long.
+pub const COOLDOWN: Duration = Duration::from_secs(1);
+/// How long after a cut the rate is back at the last good rate (CUBIC's K).
+pub const RECOVER: Duration = Duration::from_secs(2);
 /// Tokens a bucket holds at most, in seconds of its rate (and at least one token).
 const BURST: f64 = 0.1;
 /// A limit counts as holding requests back for this long after it last made one wait.
@@ -94,18 +98,17 @@ pub struct Pacer {
 struct State {
     /// Requests per second; `None`: no limit (yet).
     rate: Option<f64>,
-    /// The rate set by the last decrease: what probing steps are a share of.
-    threshold: f64,
+    /// The rate the host sent at when it was last cut: where the climb levels off.
+    last_good: f64,
     tokens: f64,
     refilled: Instant,
     last_decrease: Option<Instant>,
     last_limited: Option<Instant>,
     /// The last time the store pushed back, and how.
     last_pushback: Option<(Instant, Outcome)>,
-    /// The rate requests were sent at, decayed over `RATE_WINDOW`, since `first_sent`.
+    /// The rate requests were sent at, decayed over `RATE_WINDOW`.
     sent_rate: f64,
     sent_at: Instant,
-    first_sent: Option<Instant>,
     /// Requests waiting for a token, in arrival order.
     queue: VecDeque<(u64, Urgency)>,
     next_id: u64,
@@ -129,7 +132,7 @@ impl Pacer {
         Pacer {
             state: Mutex::new(State {
                 rate: ceiling,
-                threshold: ceiling.unwrap_or(MIN_RATE),
+                last_good: ceiling.unwrap_or(MIN_RATE),
                 tokens: 1.0,
                 refilled: now,
                 last_decrease: None,
@@ -137,7 +140,6 @@ impl Pacer {
                 last_pushback: None,
                 sent_rate: 0.0,
                 sent_at: now,
-                first_sent: None,
                 queue: VecDeque::new(),
                 next_id: 0,
             }),
@@ -205,30 +207,41 @@ impl Pacer {
         }
         match outcome {
             Outcome::Throttled => {
-                if st.last_decrease.is_some_and(|at| sent < at) {
-                    return; // sent before the last decrease: part of the burst it answered
+                let cut_lately = st
+                    .last_decrease
+                    .is_some_and(|at| sent < at || now.duration_since(at) < COOLDOWN);
+                if cut_lately {
+                    return; // the same signal as the last cut's
                 }
                 // From the rate it sent at, if below its limit (a limit it does not use
                 // says nothing about what the bucket allows).
                 let sent_rate = st.sent_rate(now);
                 let from = st.rate.unwrap_or(sent_rate).min(sent_rate.max(MIN_RATE));
+                // Cut again before it was back: the bucket allows less than last time.
+                st.last_good = if from < st.last_good && st.last_decrease.is_some() {
+                    from * (1.0 + DECREASE) / 2.0
+                } else {
+                    from
+                };
                 let rate = (from * DECREASE).max(MIN_RATE);
-                let rate = self.ceiling.map_or(rate, |c| rate.min(c));
-                st.rate = Some(rate);
-                st.threshold = rate;
+                st.rate = Some(self.ceiling.map_or(rate, |c| rate.min(c)));
                 st.tokens = st.tokens.min(1.0);
                 st.last_decrease = Some(now);
             }
             Outcome::Ok => {
-                let Some(rate) = st.rate else { return };
+                let (Some(rate), Some(cut)) = (st.rate, st.last_decrease) else {
+                    return; // no limit, or the ceiling alone
+                };
                 if st
                     .last_limited
                     .is_none_or(|at| now.duration_since(at) >= LIMITED_FOR)
                 {
                     return; // the limit holds nothing back: no reason to raise it
                 }
-                // `rate` successes a second, each `PROBE × threshold / rate`.
-                let raised = rate + PROBE * st.threshold / rate;
+                let t = now.duration_since(cut).as_secs_f64() / RECOVER.as_secs_f64();
+                let cubic = st.last_good * (1.0 + (1.0 - DECREASE) * (t - 1.0).powi(3));
+                let most = 2.0 * st.sent_rate(now) + 1.0;
+                let raised = cubic.min(most).max(rate.min(most)).max(MIN_RATE);
                 st.rate = Some(self.ceiling.map_or(raised, |c| raised.min(c)));
             }
             _ => {}
@@ -271,18 +284,14 @@ impl State {
     fn count_sent(&mut self, now: Instant) {
         self.decay(now);
         self.sent_rate += 1.0 / RATE_WINDOW;
-        self.first_sent.get_or_insert(now);
     }
 
-    /// The rate requests were sent at lately: the decayed count, corrected for a history
-    /// shorter than the window (a host throttled in its first second sent at its full rate).
+    /// The rate requests were sent at lately: the count of about the last second. (Not
+    /// extrapolated from a shorter history: a pod's first burst, 20 requests in 50 ms, is
+    /// no rate of 400 a second.)
     fn sent_rate(&mut self, now: Instant) -> f64 {
         self.decay(now);
-        let Some(first) = self.first_sent else {
-            return 0.0;
-        };
-        let history = now.duration_since(first).as_secs_f64().max(1e-3);
-        self.sent_rate / (1.0 - (-history / RATE_WINDOW).exp())
+        self.sent_rate
     }
 
     /// Brings the send rate to `now` (no request since it was last counted).
@@ -311,26 +320,36 @@ impl Drop for Leave<'_> {
 mod tests {
     use super::*;
 
+    /// Sends `n` requests, `every` apart.
+    async fn send(pacer: &Pacer, n: usize, every: Duration) {
+        for _ in 0..n {
+            pacer.acquire(&Urgency::prefetch()).await;
+            tokio::time::sleep(every).await;
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn no_limit_until_the_first_429_then_the_rate_sent_at_times_the_decrease() {
         let pacer = Pacer::new(None);
-        let start = Instant::now();
-        // 50 requests a second for two seconds, none held back.
-        for _ in 0..100 {
-            assert_eq!(pacer.acquire(&Urgency::prefetch()).await, Duration::ZERO);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        // 50 requests a second for three seconds, none held back.
+        send(&pacer, 150, Duration::from_millis(20)).await;
         assert_eq!(pacer.snapshot().rate, None);
-        pacer.record(Outcome::Throttled, start + Duration::from_secs(2));
+        pacer.record(Outcome::Throttled, Instant::now());
         let rate = pacer.snapshot().rate.expect("limited");
-        assert!((rate - 50.0 * DECREASE).abs() < 3.0, "{rate}");
-        // Other 429s of the same burst (sent before the decrease) do not cut again...
-        pacer.record(Outcome::Throttled, start);
+        // The rate of about the last second (47.5: the count decays over a second).
+        assert!((rate - 50.0 * DECREASE).abs() < 2.5, "{rate}");
+        // 429s to requests sent before the cut, or within COOLDOWN of it, are the same
+        // signal: no second cut...
+        pacer.record(
+            Outcome::Throttled,
+            Instant::now() - Duration::from_millis(5),
+        );
+        tokio::time::sleep(COOLDOWN / 2).await;
+        pacer.record(Outcome::Throttled, Instant::now());
         assert_eq!(pacer.snapshot().rate, Some(rate));
-        // ...one sent after it does.
-        let later = Instant::now();
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        pacer.record(Outcome::Throttled, later + Duration::from_millis(10));
+        // ...one COOLDOWN later, a 429 cuts again.
+        tokio::time::sleep(COOLDOWN).await;
+        pacer.record(Outcome::Throttled, Instant::now());
         assert!(pacer.snapshot().rate.unwrap() < rate);
         // Outages and timeouts leave the rate alone.
         let now = pacer.snapshot().rate;
@@ -355,34 +374,62 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn successes_raise_the_rate_a_few_percent_a_second_up_to_the_ceiling() {
-        let pacer = Arc::new(Pacer::new(Some(100.0)));
-        // Throttled at 100 requests/s: down to 70.
-        for _ in 0..200 {
+    async fn a_pods_first_burst_is_not_taken_for_a_rate() {
+        let pacer = Pacer::new(None);
+        // 20 requests at once, the first 429 50 ms later: a rate of 20 a second at most.
+        send(&pacer, 20, Duration::ZERO).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        pacer.record(Outcome::Throttled, Instant::now());
+        let rate = pacer.snapshot().rate.unwrap();
+        assert!(rate <= 20.0 * DECREASE, "{rate}");
+    }
+
+    /// Sends as fast as the limit lets for `time`, every request a success.
+    async fn succeed(pacer: &Pacer, time: Duration) {
+        let t = Instant::now();
+        while t.elapsed() < time {
             pacer.acquire(&Urgency::urgent()).await;
+            pacer.record(Outcome::Ok, Instant::now());
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_cut_the_rate_is_back_in_seconds_then_probes_past_it_up_to_the_ceiling() {
+        let pacer = Pacer::new(Some(200.0));
+        succeed(&pacer, Duration::from_secs(3)).await;
         pacer.record(Outcome::Throttled, Instant::now());
         let cut = pacer.snapshot().rate.unwrap();
-        assert!((cut - 70.0).abs() < 3.0, "{cut}");
-        // Each success while held back: above the threshold, a few percent per second.
-        let t = Instant::now();
-        let mut sent = 0;
-        while t.elapsed() < Duration::from_secs(1) {
-            pacer.acquire(&Urgency::urgent()).await;
-            pacer.record(Outcome::Ok, Instant::now());
-            sent += 1;
-        }
-        let probed = pacer.snapshot().rate.unwrap();
+        let good = cut / DECREASE;
+        assert!(good > 180.0, "cut from {good}");
+        // Half way to RECOVER: most of the way back.
+        succeed(&pacer, RECOVER / 2).await;
+        let half = pacer.snapshot().rate.unwrap();
         assert!(
-            probed > cut && probed < cut * (1.0 + 2.0 * PROBE),
-            "{cut} -> {probed} after {sent} successes"
+            half > cut + 0.8 * (good - cut) && half < good,
+            "{cut} -> {half}"
         );
-        // Never past the ceiling.
-        for _ in 0..20_000 {
-            pacer.acquire(&Urgency::urgent()).await;
-            pacer.record(Outcome::Ok, Instant::now());
-        }
-        assert_eq!(pacer.snapshot().rate, Some(100.0));
+        // At RECOVER: level, at the last good rate.
+        succeed(&pacer, RECOVER / 2).await;
+        let back = pacer.snapshot().rate.unwrap();
+        assert!((back - good).abs() < 0.02 * good, "{good} -> {back}");
+        // Past it, faster and faster, but never past the ceiling.
+        succeed(&pacer, RECOVER * 2).await;
+        assert_eq!(pacer.snapshot().rate, Some(200.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cut_before_the_rate_is_back_remembers_less() {
+        let pacer = Pacer::new(None);
+        succeed(&pacer, Duration::ZERO).await;
+        send(&pacer, 300, Duration::from_millis(10)).await; // 100 a second
+        pacer.record(Outcome::Throttled, Instant::now());
+        succeed(&pacer, COOLDOWN).await; // part of the way back
+        let climbed = pacer.snapshot().rate.unwrap();
+        pacer.record(Outcome::Throttled, Instant::now());
+        // The bucket allows less than last time: the climb levels off below where it came from.
+        succeed(&pacer, RECOVER).await;
+        let level = pacer.snapshot().rate.unwrap();
+        assert!(level < climbed, "{climbed} -> {level}");
     }
 
     #[tokio::test(start_paused = true)]
