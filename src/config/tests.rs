@@ -85,6 +85,14 @@ fn bad_values_name_the_key() {
         ),
         ("[store]\nretry_timeout = \"0s\"", "store.retry_timeout"),
         (
+            "[datasets.g]\nshards = \"data/train-*.tar\"",
+            "dataset \"g\": shards \"data/train-*.tar\" is a glob, which shardd does not expand (it lists no directory or bucket); name the shards with braces, e.g. \"data/train-{000000..000099}.tar\"",
+        ),
+        (
+            "[datasets.g]\nshards = \"gs://bucket/train/\"",
+            "shards \"gs://bucket/train/\" is a directory, not a shard",
+        ),
+        (
             "[store]\nmax_requests_per_second = -5",
             "store.max_requests_per_second must be a number of requests per second, 0 for no ceiling, not -5",
         ),

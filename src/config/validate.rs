@@ -378,6 +378,20 @@ fn validate_schedule(
     Ok(schedule)
 }
 
+/// Why a pattern can never name a shard, as users mistype them: a glob (no store lists, so
+/// nothing expands it), a directory, or nothing at all.
+fn never_a_shard(pattern: &str) -> Option<&'static str> {
+    if pattern.trim().is_empty() {
+        Some("is empty")
+    } else if pattern.contains(['*', '?']) {
+        Some("is a glob, which shardd does not expand (it lists no directory or bucket)")
+    } else if pattern.ends_with('/') {
+        Some("is a directory, not a shard")
+    } else {
+        None
+    }
+}
+
 fn validate_dataset(
     name: &str,
     d: DatasetSection,
@@ -409,6 +423,11 @@ fn validate_dataset(
     }
     let mut shards = Vec::new();
     for pattern in &patterns {
+        if let Some(why) = never_a_shard(pattern) {
+            return Err(invalid(format!(
+                "dataset {name:?}: shards {pattern:?} {why}; name the shards with braces, e.g. \"data/train-{{000000..000099}}.tar\" (shardd index writes the manifest for them)"
+            )));
+        }
         let expanded = braces::expand(pattern)
             .map_err(|e| invalid(format!("dataset {name:?}: pattern {pattern:?}: {e}")))?;
         for url in expanded {
