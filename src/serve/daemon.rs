@@ -301,6 +301,7 @@ pub(crate) fn know_crc32c(
 /// `[datasets.X] warm = true`: loads this host's share of those datasets into free cache
 /// space, in the background, before (and while) trainers connect.
 async fn warm_at_start(config: Config, cache: Cache) {
+    warn_of_missing_first_shards(&config, &cache).await;
     for dataset in config.datasets.values().filter(|d| d.warm) {
         let share: Vec<_> = crate::plan::warm_shards(dataset.shape(), config.host)
             .into_iter()
@@ -321,6 +322,23 @@ async fn warm_at_start(config: Config, cache: Cache) {
             complete,
             "warmed the cache"
         );
+    }
+}
+
+/// Asks for each dataset's first shard once at start (as `/readyz` does) and logs a warning
+/// for one that is not there: a daemon serving a dataset whose shards are missing says so in
+/// its log, not only on `/readyz` (`shardd check` lists every missing shard).
+async fn warn_of_missing_first_shards(config: &Config, cache: &Cache) {
+    for d in config.datasets.values() {
+        let first = &d.shards[0];
+        if let Err(e @ crate::store::ReadError::NotFound { .. }) =
+            cache.stores().version(first).await
+        {
+            tracing::warn!(
+                dataset = %d.name,
+                "{e}: streams of this dataset will fail (`shardd check --config ...` lists every shard that is missing)"
+            );
+        }
     }
 }
 

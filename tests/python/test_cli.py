@@ -269,3 +269,24 @@ def test_relative_paths_in_a_config_are_the_config_files_directorys(tmp_path, tr
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0
+
+
+def test_serve_warns_of_a_dataset_whose_first_shard_is_missing(tmp_path, train_paths):
+    """`serve` starts (other datasets may serve), and its log says at once what /readyz says."""
+    (tmp_path / "c.toml").write_text(
+        f'[server]\nsocket = "s.sock"\nmetrics_addr = "127.0.0.1:{free_port()}"\n[cache]\ndir = "cache"\n'
+        f'[datasets.train]\nshards = "{train_paths[0]}"\n'
+        '[datasets.typo]\nshards = "data/trian-{000000..000003}.tar"\n'
+    )
+    log = tmp_path / "serve.log"
+    with open(log, "w") as sink:
+        daemon = subprocess.Popen([SHARDD, "serve", "--config", str(tmp_path / "c.toml")],
+                                  stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        line = wait_for(lambda: next((l for l in log.read_text().splitlines() if " WARN " in l), None),
+                        "the warning")
+        assert f"{tmp_path}/data/trian-000000.tar: object not found: streams of this dataset will fail" in line, line
+        assert "dataset=typo" in line, line
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == 0

@@ -186,12 +186,15 @@ def test_a_store_down_longer_than_retry_timeout_fails_the_stream_naming_why_and_
 
 def test_a_cold_epoch_asks_the_bucket_once_per_shard(make_daemon, bucket_emulator, train_paths):
     """No HEAD before the GETs: the first part's answer carries the version (size, ETag,
-    generation). Each of these shards is one part, so one request each."""
+    generation). Each of these shards is one part, so one request each. (Each dataset's
+    first shard is also asked for by /readyz and the start-up check, at times of their own:
+    left out.)"""
     emu = bucket_emulator(hosts=1)
     [d] = start_pod(make_daemon, emu, hosts=1)
     before = emu.stats(objects=True)["hosts"][0]["objects"]
     trainers = Trainers([d]).join()
     assert_every_sample_once(trainers, train_paths)
     after = emu.stats(objects=True)["hosts"][0]["objects"]
-    asked = {name: n - before.get(name, 0) for name, n in after.items() if name.startswith("bkt/train/")}
-    assert asked == {f"bkt/train/{p.name}": 1 for p in train_paths}
+    asked = {name: n - before.get(name, 0) for name, n in after.items()
+             if name.startswith("bkt/train/") and not name.endswith("-000000.tar")}
+    assert asked == {f"bkt/train/{p.name}": 1 for p in train_paths[1:]}
