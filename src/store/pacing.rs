@@ -43,7 +43,7 @@ pub const MIN_RATE: f64 = 0.5;
 /// At most one cut per this long.
 pub const COOLDOWN: Duration = Duration::from_secs(1);
 /// How long after a cut the rate is back at the last good rate (CUBIC's K).
-pub const RECOVER: Duration = Duration::from_secs(2);
+pub const RECOVER: Duration = Duration::from_secs(1);
 /// Tokens a bucket holds at most, in seconds of its rate (and at least one token).
 const BURST: f64 = 0.1;
 /// A limit counts as holding requests back for this long after it last made one wait.
