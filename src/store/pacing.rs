@@ -48,6 +48,9 @@ pub const RECOVER: Duration = Duration::from_secs(1);
 const BURST: f64 = 0.1;
 /// A limit counts as holding requests back for this long after it last made one wait.
 const LIMITED_FOR: Duration = Duration::from_secs(1);
+/// How often a request that waits for another's turn looks again, in case the turn moved
+/// without a wake-up (a raised urgency).
+const RECHECK: Duration = Duration::from_millis(10);
 /// The time constant of the measured send rate.
 const RATE_WINDOW: f64 = 1.0;
 
@@ -184,16 +187,20 @@ impl Pacer {
                     self.turn.notify_waiters();
                     return asked.elapsed();
                 }
-                (st.tokens < 1.0).then(|| Duration::from_secs_f64((1.0 - st.tokens) / rate))
-            };
-            match wait {
-                Some(wait) => {
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = &mut turn => {}
-                    }
+                // A token is there but another request's turn: it takes it and wakes the rest.
+                // Never without a timer, though: a request raised while it waits
+                // (`Urgency::raise`) becomes the one in turn without anyone being woken, and
+                // every request waiting for a wake-up alone would wait for ever (the soak hung
+                // so).
+                if st.tokens < 1.0 {
+                    Duration::from_secs_f64((1.0 - st.tokens) / rate)
+                } else {
+                    RECHECK
                 }
-                None => turn.await,
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = &mut turn => {}
             }
         }
     }
@@ -472,6 +479,35 @@ mod tests {
             t.await.unwrap();
         }
         assert_eq!(*order.lock().unwrap(), ["p1", "u0", "u1", "p0", "p2"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_raised_while_others_wait_their_turn_is_served() {
+        // The turn moves to a raised request with no wake-up: every request waits its turn
+        // with a timer too, or this hangs.
+        let pacer = Arc::new(Pacer::new(Some(1.0)));
+        pacer.acquire(&Urgency::urgent()).await;
+        let raised = Urgency::prefetch();
+        let first = {
+            let pacer = pacer.clone();
+            tokio::spawn(async move { pacer.acquire(&Urgency::prefetch()).await })
+        };
+        tokio::task::yield_now().await;
+        let second = {
+            let (pacer, raised) = (pacer.clone(), raised.clone());
+            tokio::spawn(async move { pacer.acquire(&raised).await })
+        };
+        tokio::task::yield_now().await;
+        // A token comes; the first in line is served, then the second's turn is a raised one.
+        tokio::time::sleep(Duration::from_millis(999)).await;
+        raised.raise();
+        let both = async {
+            first.await.unwrap();
+            second.await.unwrap();
+        };
+        tokio::time::timeout(Duration::from_secs(5), both)
+            .await
+            .expect("both served");
     }
 
     #[tokio::test(start_paused = true)]
