@@ -104,7 +104,7 @@ fn naming_the_metadata_servers(cause: String) -> String {
 
 /// An error and its causes on one line (object_store's own message leaves out the cause
 /// that matters, e.g. "connection refused").
-fn one_line(e: &dyn std::error::Error) -> String {
+pub(super) fn one_line(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

@@ -22,6 +22,7 @@ use object_store::client::{
     ReqwestConnector,
 };
 
+use super::credentials::one_line;
 use super::pacing::{Pacer, Urgency};
 use super::reported::{Kind, Reported};
 use super::retry::{GaveUp, Outcome, Retries};
@@ -167,25 +168,10 @@ fn describe(result: &Result<HttpResponse, HttpError>) -> String {
     match result {
         Ok(response) => format!("answered {}", response.status()),
         Err(e) => match Outcome::of_transport(e) {
-            Outcome::Timeout => format!("timed out ({})", chain(e)),
-            _ => format!("could not be reached ({})", chain(e)),
+            Outcome::Timeout => format!("timed out ({})", one_line(e)),
+            _ => format!("could not be reached ({})", one_line(e)),
         },
     }
-}
-
-/// An error and its sources, each once: "error sending request: tcp connect error:
-/// Connection refused (os error 111)".
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        let more = cause.to_string();
-        if !text.contains(&more) {
-            text = format!("{text}: {more}");
-        }
-        next = cause.source();
-    }
-    text
 }
 
 /// A request to send again: GETs and HEADs have empty bodies, and a PUT's body is bytes

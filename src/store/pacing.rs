@@ -482,35 +482,6 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_request_raised_while_others_wait_their_turn_is_served() {
-        // The turn moves to a raised request with no wake-up: every request waits its turn
-        // with a timer too, or this hangs.
-        let pacer = Arc::new(Pacer::new(Some(1.0)));
-        pacer.acquire(&Urgency::urgent()).await;
-        let raised = Urgency::prefetch();
-        let first = {
-            let pacer = pacer.clone();
-            tokio::spawn(async move { pacer.acquire(&Urgency::prefetch()).await })
-        };
-        tokio::task::yield_now().await;
-        let second = {
-            let (pacer, raised) = (pacer.clone(), raised.clone());
-            tokio::spawn(async move { pacer.acquire(&raised).await })
-        };
-        tokio::task::yield_now().await;
-        // A token comes; the first in line is served, then the second's turn is a raised one.
-        tokio::time::sleep(Duration::from_millis(999)).await;
-        raised.raise();
-        let both = async {
-            first.await.unwrap();
-            second.await.unwrap();
-        };
-        tokio::time::timeout(Duration::from_secs(5), both)
-            .await
-            .expect("both served");
-    }
-
-    #[tokio::test(start_paused = true)]
     async fn a_request_that_stops_waiting_leaves_its_place() {
         let pacer = Arc::new(Pacer::new(Some(1.0)));
         pacer.acquire(&Urgency::urgent()).await;
