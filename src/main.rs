@@ -7,8 +7,8 @@ use shardd::config::Config;
 use shardd::protocol::Request;
 use tokio_util::sync::CancellationToken;
 
-use shardd::cmd::{index, plan_report, units, warm};
-use shardd::ops::{malloc, progress};
+use shardd::cmd::{check, index, plan_report, units, warm};
+use shardd::ops::malloc;
 
 #[derive(Parser)]
 #[command(
@@ -37,13 +37,15 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Validate a config, list each dataset's shards, and ask the stores for every shard
-    /// (a HEAD or stat each): missing ones, total bytes, the largest. Exit 1 if any is missing
-    /// or anything else would stop `shardd serve`.
+    /// `serve` without serving: validate a config, list each dataset's shards, ask the stores
+    /// for every shard (a HEAD or stat each: missing ones, total bytes, the largest), and check
+    /// the directories `serve` writes. Exit 1 if a shard is missing or anything else would
+    /// stop `shardd serve`.
     Check {
         #[arg(long)]
         config: PathBuf,
-        /// Only validate the config (offline: no store, no metadata server is asked).
+        /// Ask no store and no metadata server: check the config, the directories, and only
+        /// the datasets whose shards and manifest are local files.
         #[arg(long, visible_alias = "offline")]
         no_store: bool,
     },
@@ -222,7 +224,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             runtime.block_on(serve(config))
         }
-        Command::Check { config, no_store } => runtime.block_on(check(&config, !no_store)),
+        Command::Check { config, no_store } => runtime.block_on(check::run(&config, !no_store)),
         Command::Index {
             patterns,
             output,
@@ -290,103 +292,6 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     shardd::serve::daemon::run(config, shutdown).await?;
     signals.abort();
     Ok(())
-}
-
-async fn check(path: &std::path::Path, reach_stores: bool) -> anyhow::Result<()> {
-    let config = Config::load(path)?;
-    let stores = shardd::store::Stores::from_config(&config, Default::default())?;
-    println!("{}: ok", path.display());
-    for w in shardd::config::space::space_warnings(&config) {
-        println!("warning: {w}");
-    }
-    if reach_stores {
-        stores.check_credentials().await?;
-    }
-    let (mut missing_in_all, mut refused) = (0usize, 0usize);
-    for (name, d) in &config.datasets {
-        println!(
-            "dataset {name}: {} shards, first {}, last {}, shuffle_buffer {}",
-            d.shards.len(),
-            d.shards[0],
-            d.shards[d.shards.len() - 1],
-            d.shuffle_buffer
-        );
-        if reach_stores {
-            missing_in_all += check_shards(&stores, name, &d.shards, config.max_downloads).await;
-            match plan_report::check_working_set(&config, &stores, d).await {
-                Ok((lines, warnings)) => {
-                    lines.iter().for_each(|l| println!("{l}"));
-                    warnings.iter().for_each(|w| println!("warning: {w}"));
-                }
-                // What stops `serve` (a manifest it cannot read, or that names other
-                // shards) fails `check` too.
-                Err(e) => {
-                    println!("error: {e:#}");
-                    refused += 1;
-                }
-            }
-        }
-    }
-    if missing_in_all > 0 || refused > 0 {
-        let mut why = Vec::new();
-        if missing_in_all > 0 {
-            why.push(format!("{missing_in_all} shards cannot be read"));
-        }
-        if refused > 0 {
-            why.push(format!("{refused} datasets would stop `shardd serve`"));
-        }
-        anyhow::bail!("{} (listed above)", why.join(", "));
-    }
-    Ok(())
-}
-
-/// Asks the store for every shard of a dataset (HEAD or stat, `parallel` at a time, with
-/// progress on stderr); prints the total, the largest shard and what cannot be read. Returns
-/// how many cannot be read.
-async fn check_shards(
-    stores: &shardd::store::Stores,
-    name: &str,
-    shards: &[shardd::config::url::ShardUrl],
-    parallel: usize,
-) -> usize {
-    use futures::StreamExt;
-    let mut progress = progress::Progress::counting(name, shards.len() as u64, "found");
-    let mut found = futures::stream::iter(shards.iter().cloned())
-        .map(|s| async move { (stores.version(&s).await, s) })
-        .buffered(parallel);
-    let (mut bytes, mut largest, mut missing) = (0u64, None, Vec::new());
-    while let Some((version, shard)) = found.next().await {
-        match version {
-            Ok(v) => {
-                progress.add(v.size);
-                bytes += v.size;
-                if largest.as_ref().is_none_or(|(n, _)| v.size > *n) {
-                    largest = Some((v.size, shard));
-                }
-            }
-            Err(e) => {
-                progress.add(0);
-                missing.push(e.to_string());
-            }
-        }
-    }
-    progress.finish();
-    if let Some((size, shard)) = largest {
-        println!(
-            "dataset {name}: {bytes} bytes in the store; the largest shard is {shard} ({size} bytes)"
-        );
-    }
-    for m in missing.iter().take(10) {
-        println!("dataset {name}: {m}");
-    }
-    if !missing.is_empty() {
-        println!(
-            "dataset {name}: {} of {} shards cannot be read",
-            missing.len(),
-            shards.len()
-        );
-    }
-    missing.len()
 }
 
 async fn status(url: &str) -> anyhow::Result<()> {

@@ -96,6 +96,21 @@ shardd=$prefix/bin/shardd
 install -d -m 0755 "$root/usr/local/bin"
 ln -sfn "$shardd" "$root/usr/local/bin/shardd"
 
+# The group that may open the socket, and the service's user: before the config, whose check
+# looks up server.socket_group. The service has DynamicUser=yes and no User=, so its user is
+# named after the unit: "shardd". systemd refuses to make a dynamic user of a name that a
+# static group already has, and takes a static user of that name as it is: so the user is
+# made here, beside its group.
+getent group shardd >/dev/null || groupadd --system shardd
+getent passwd shardd >/dev/null ||
+    useradd --system --gid shardd --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin shardd
+if [ -n "$trainer" ] && ! why=$(usermod -aG shardd "$trainer" 2>&1); then
+    warn "user $trainer was not added to group shardd ($why), so its trainers cannot open" \
+        "the socket yet; once the user exists: sudo usermod -aG shardd $trainer; an OS Login" \
+        "user: see \"Trainers and the socket\" in deploy/tpu-vm/README.md"
+fi
+
 # The config: these defaults (socket and cache where the units expect them, the host found at
 # start), with shardd-config merged over them table by table (the metadata's keys win) by
 # shardd itself, which validates the result before it replaces config.toml. Both inputs stay
@@ -121,20 +136,6 @@ printf '%s\n' "$user_config" > "$root/etc/shardd/shardd-config.toml"
 "$shardd" merge-config "$root/etc/shardd/defaults.toml" "$root/etc/shardd/shardd-config.toml" \
     -o "$root/etc/shardd/config.toml"
 "$shardd" check --offline --config "$root/etc/shardd/config.toml"
-
-# The group that may open the socket, and the service's user. The service has DynamicUser=yes
-# and no User=, so its user is named after the unit: "shardd". systemd refuses to make a
-# dynamic user of a name that a static group already has, and takes a static user of that
-# name as it is: so the user is made here, beside its group.
-getent group shardd >/dev/null || groupadd --system shardd
-getent passwd shardd >/dev/null ||
-    useradd --system --gid shardd --no-create-home --home-dir /nonexistent \
-        --shell /usr/sbin/nologin shardd
-if [ -n "$trainer" ] && ! why=$(usermod -aG shardd "$trainer" 2>&1); then
-    warn "user $trainer was not added to group shardd ($why), so its trainers cannot open" \
-        "the socket yet; once the user exists: sudo usermod -aG shardd $trainer; an OS Login" \
-        "user: see \"Trainers and the socket\" in deploy/tpu-vm/README.md"
-fi
 
 # The units of the installed build, with the drop-ins the config needs (a cache on another
 # disk, the socket's mode), then started.

@@ -1,5 +1,6 @@
 //! The commands other than `serve`: each runs the stages below it once and exits.
 
+pub mod check;
 pub mod demo;
 pub mod get;
 pub mod index;

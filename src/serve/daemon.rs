@@ -19,7 +19,7 @@ use crate::store::{StoreError, Stores};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("cannot bind the socket {path}: {source}")]
+    #[error("cannot bind the socket {path} (server.socket): {source}")]
     Socket {
         path: PathBuf,
         source: std::io::Error,
@@ -430,7 +430,7 @@ pub fn bind_socket(
 }
 
 /// A group given by number or by name (looked up in /etc/group).
-fn group_id(group: &str) -> std::io::Result<u32> {
+pub fn group_id(group: &str) -> std::io::Result<u32> {
     if let Ok(gid) = group.parse() {
         return Ok(gid);
     }

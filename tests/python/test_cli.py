@@ -1,9 +1,14 @@
 """The command line as users and scripts type it."""
 
+import os
+import pathlib
+import re
 import shutil
 import signal
 import subprocess
+import tempfile
 
+import pytest
 import shardd
 
 from conftest import SHARDD, free_port, gcs_config, reference_samples, socket_accepts, wait_for
@@ -290,3 +295,76 @@ def test_serve_warns_of_a_dataset_whose_first_shard_is_missing(tmp_path, train_p
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=30) == 0
+
+
+def offline_and_serve(config):
+    """`check --offline` and `serve` on the same config: each one's exit code and output."""
+    check = subprocess.run([SHARDD, "check", "--offline", "--config", str(config)], capture_output=True, text=True,
+                           timeout=60)
+    serve = subprocess.run([SHARDD, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60)
+    return (check.returncode, check.stdout + check.stderr), (serve.returncode, serve.stdout + serve.stderr)
+
+
+@pytest.mark.parametrize("case", ["manifest of other shards", "cache.dir under a file", "no such socket_group"])
+def test_check_offline_refuses_what_stops_serve(tmp_path, train_paths, case):
+    """Offline, `check` asks no store, yet refuses every start-up failure that needs none, with
+    serve's own words: local shards and manifest are files, the directories serve writes and
+    the socket's group are this machine's."""
+    (tmp_path / "data").mkdir()
+    for p in train_paths[:4]:
+        shutil.copy(p, tmp_path / "data" / p.name)
+    run = subprocess.run([SHARDD, "index", "data/train-{000000..000002}.tar", "-o", "three.manifest.json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    server = f'[server]\nsocket = "s.sock"\nmetrics_addr = "127.0.0.1:{free_port()}"\n'
+    cache, dataset = '[cache]\ndir = "cache"\n', '[datasets.train]\nshards = "data/train-{000000..000003}.tar"\n'
+    if case == "manifest of other shards":
+        dataset += 'manifest = "three.manifest.json"\n'
+        said = f"manifest {tmp_path}/three.manifest.json does not match the configured shards"
+    elif case == "cache.dir under a file":
+        (tmp_path / "file").write_text("")
+        cache = '[cache]\ndir = "file/cache"\n'
+        said = "file"
+    else:
+        server += 'socket_group = "no-such-group-shardd"\n'
+        said = 'no group "no-such-group-shardd" in /etc/group'
+    (tmp_path / "c.toml").write_text(server + cache + dataset)
+    (check_code, check_out), (serve_code, serve_out) = offline_and_serve(tmp_path / "c.toml")
+    assert serve_code == 1 and said in serve_out, serve_out
+    assert check_code == 1 and said in check_out, check_out
+    assert "problems would stop `shardd serve`" in check_out, check_out
+    if case == "cache.dir under a file":
+        assert "set [cache] dir" in check_out, check_out
+
+
+def test_check_offline_finds_a_local_datasets_missing_shards(tmp_path, train_paths):
+    (tmp_path / "c.toml").write_text(f'[cache]\ndir = "cache"\n[server]\nsocket = "s.sock"\n'
+                                     f'[datasets.train]\nshards = ["{train_paths[0]}", "data/gone.tar"]\n')
+    check = subprocess.run([SHARDD, "check", "--offline", "--config", str(tmp_path / "c.toml")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1, check.stdout
+    assert f"dataset train: {tmp_path}/data/gone.tar: object not found" in check.stdout, check.stdout
+    assert "1 shards cannot be read (listed above)" in check.stderr, check.stderr
+
+
+def test_check_offline_as_a_normal_user_says_which_directory_it_may_not_write(tmp_path):
+    """The defaults are root's: a normal user's `check` names the key to set (root only: it
+    runs the check as `nobody`, with a copy of the binary `nobody` can reach)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run as nobody")
+    base = pathlib.Path(tempfile.mkdtemp(prefix="shardd-nobody-"))
+    try:
+        base.chmod(0o755)
+        shutil.copy(SHARDD, base / "shardd")
+        (base / "c.toml").write_text('[datasets.train]\nshards = "gs://bkt/train-{000000..000003}.tar"\n')
+        check = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(base / "shardd"),
+                                "check", "--offline", "--config", str(base / "c.toml")],
+                               capture_output=True, text=True, timeout=60)
+        out = check.stdout + check.stderr
+        assert check.returncode == 1, out
+        assert re.search(r"cache.dir /var/cache/shardd: /var/cache(/shardd)? is not writable by this user "
+                         r"\(uid 65534\): Permission denied", out), out
+        assert "set [cache] dir to a directory this user may write" in out, out
+        assert re.search(r"server.socket /run/shardd/shardd.sock: /run(/shardd)? is not writable", out), out
+    finally:
+        shutil.rmtree(base)
