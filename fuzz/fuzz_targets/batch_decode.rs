@@ -7,6 +7,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 use bytes::Bytes;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
@@ -14,9 +16,13 @@ use shardd::cache::ShardBytes;
 use shardd::protocol::{self, HEADER_LEN, Kind, ReceivedSample};
 use shardd::shard::{MAX_FIELDS, Sample};
 
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
+
 fuzz_target!(|data: &[u8]| {
     let Ok(got) = protocol::decode_batch(Bytes::copy_from_slice(data)) else {
-        return;
+        return reached("refused");
     };
     // Every accepted byte of payload came from the body.
     let payload: usize = got
@@ -27,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
 
     // Encodable: the encoder's limits (fields per sample; the batch cut) still apply.
     if got.iter().any(|s| s.fields.len() > MAX_FIELDS) {
-        return;
+        return reached("decoded, not encodable");
     }
     let mut queue: VecDeque<Sample> = got.iter().map(to_sample).collect();
     let mut again: Vec<ReceivedSample> = Vec::new();
@@ -39,6 +45,7 @@ fuzz_target!(|data: &[u8]| {
         again.extend(protocol::decode_batch(body).expect("our own batch decodes"));
     }
     assert_eq!(again, got);
+    reached("round trip");
 });
 
 fn to_sample(s: &ReceivedSample) -> Sample {

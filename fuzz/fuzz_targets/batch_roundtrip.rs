@@ -7,6 +7,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 use arbitrary::Arbitrary;
 use bytes::Bytes;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
@@ -14,6 +16,10 @@ use libfuzzer_sys::fuzz_target;
 use shardd::cache::ShardBytes;
 use shardd::protocol::{self, BATCH_MAX_SAMPLES, HEADER_LEN, Kind};
 use shardd::shard::Sample;
+
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
 
 #[derive(Debug, Arbitrary)]
 struct Input {
@@ -39,7 +45,7 @@ enum Piece {
 
 fuzz_target!(|input: Input| {
     if input.urls.is_empty() || input.names.is_empty() {
-        return;
+        return reached("no urls or names");
     }
     let urls: Vec<Arc<str>> = input.urls.iter().map(|u| Arc::from(u.as_str())).collect();
     let names: Vec<Arc<str>> = input.names.iter().map(|n| Arc::from(n.as_str())).collect();
@@ -71,7 +77,7 @@ fuzz_target!(|input: Input| {
     // A few MiB reach every cut (1 MiB, 4096 samples, out-of-line pieces) at fuzzing speed.
     let total: usize = samples.iter().map(Sample::payload_len).sum();
     if total > 3 << 20 {
-        return;
+        return reached("too large");
     }
     let mut queue: VecDeque<Sample> = samples.iter().cloned().collect();
     let mut decoded = Vec::new();
@@ -106,4 +112,5 @@ fuzz_target!(|input: Input| {
             assert_eq!(&gd[..], &wd[..]);
         }
     }
+    reached("round trip");
 });

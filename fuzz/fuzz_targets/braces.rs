@@ -9,10 +9,16 @@
 //!   expansion.
 #![cfg_attr(not(test), no_main)]
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 use arbitrary::{Arbitrary, Unstructured};
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::config::braces::{self, BraceError, MAX_EXPANSION};
+
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
 
 #[derive(Debug, Arbitrary)]
 enum Part {
@@ -170,20 +176,24 @@ fn structured(u: &mut Unstructured) -> arbitrary::Result<()> {
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else {
-        return;
+        return reached("empty");
     };
     if mode % 2 == 0 {
-        let _ = structured(&mut Unstructured::new(rest));
-        return;
+        let built = structured(&mut Unstructured::new(rest));
+        return reached(if built.is_ok() {
+            "structured"
+        } else {
+            "unbuildable"
+        });
     }
     let Ok(pattern) = std::str::from_utf8(rest) else {
-        return;
+        return reached("not UTF-8");
     };
     // Counting never expands: it must agree with the expansion, and it lets us skip
     // expansions that are right but too slow to check at fuzzing speed.
     let counted = braces::count(pattern);
     if counted.as_ref().is_ok_and(|n| *n > 20_000) {
-        return;
+        return reached("counted, too many to expand");
     }
     let expanded = braces::expand(pattern);
     match (&counted, &expanded) {
@@ -197,8 +207,12 @@ fuzz_target!(|data: &[u8]| {
             if !pattern.contains(['{', '}', '\\']) {
                 assert_eq!(names, [pattern]);
             }
+            reached("expanded");
         }
-        Err(BraceError::Unbalanced) => assert!(pattern.contains(['{', '}'])),
-        Err(BraceError::TooMany | BraceError::Number(_)) => {}
+        Err(BraceError::Unbalanced) => {
+            assert!(pattern.contains(['{', '}']));
+            reached("unbalanced");
+        }
+        Err(BraceError::TooMany | BraceError::Number(_)) => reached("too many"),
     }
 });

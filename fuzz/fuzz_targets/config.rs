@@ -7,14 +7,20 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::time::Duration;
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::config::braces;
 use shardd::config::{Config, FileConfig, Patterns};
 
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
+
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
-        return;
+        return reached("not UTF-8");
     };
     // Right but too slow to check at fuzzing speed: hundreds of thousands of shards.
     if let Ok(file) = toml::from_str::<FileConfig>(text) {
@@ -29,7 +35,7 @@ fuzz_target!(|data: &[u8]| {
             .map(|p| braces::count(&p).unwrap_or(0))
             .sum();
         if shards > 20_000 {
-            return;
+            return reached("too many shards to check");
         }
     }
     let c = match Config::parse(text, Path::new("/etc/shardd")) {
@@ -37,7 +43,7 @@ fuzz_target!(|data: &[u8]| {
         Err(e) => {
             let msg = e.to_string();
             assert!(msg.starts_with("invalid config"), "{msg}");
-            return;
+            return reached("refused");
         }
     };
     assert!(c.socket_mode <= 0o777);
@@ -65,4 +71,5 @@ fuzz_target!(|data: &[u8]| {
             "duplicate shard"
         );
     }
+    reached("valid");
 });

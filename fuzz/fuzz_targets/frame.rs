@@ -9,10 +9,16 @@
 //!   survives encode → decode unchanged.
 #![cfg_attr(not(test), no_main)]
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 use futures::executor::block_on;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::protocol::{self, HEADER_LEN, Kind, MAX_CLIENT_FRAME, PREAMBLE_LEN, Request};
+
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
 
 fn check_read_frame(data: &[u8], max: u32) {
     let mut rest = data;
@@ -54,17 +60,17 @@ fuzz_target!(|data: &[u8]| {
 
     // The daemon's handshake: preamble, then one REQUEST frame.
     if data.len() < PREAMBLE_LEN {
-        return;
+        return reached("no preamble");
     }
     let preamble: &[u8; PREAMBLE_LEN] = data[..PREAMBLE_LEN].try_into().unwrap();
     let version = protocol::parse_preamble(preamble);
     assert_eq!(version.is_some(), data.starts_with(protocol::MAGIC));
     let mut rest = &data[PREAMBLE_LEN..];
     let Ok((kind, body)) = block_on(protocol::read_frame(&mut rest, MAX_CLIENT_FRAME)) else {
-        return;
+        return reached("no frame after the preamble");
     };
     if kind != Kind::Request as u8 {
-        return;
+        return reached("not a REQUEST frame");
     }
     if let Ok(req) = serde_json::from_slice::<Request>(&body) {
         let frame = protocol::json_frame(Kind::Request, &req);
@@ -72,5 +78,8 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(kind, Kind::Request as u8);
         let again: Request = serde_json::from_slice(&body).unwrap();
         assert_eq!(again, req);
+        reached("request");
+    } else {
+        reached("REQUEST frame, not a request");
     }
 });

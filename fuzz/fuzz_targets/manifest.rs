@@ -10,10 +10,16 @@
 use std::collections::HashSet;
 use std::path::Path;
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::config::url::ShardUrl;
 use shardd::shard::manifest::{Loaded, Manifest};
+
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
 
 const URL: &str = "gs://bucket/train.manifest.json";
 
@@ -25,7 +31,7 @@ fuzz_target!(|data: &[u8]| {
             assert!(msg.starts_with(&format!("manifest {URL}: ")), "{msg}");
             let loaded = Loaded::parse(data, URL, &[]).expect_err("the derived parser failed");
             assert_eq!(loaded.to_string(), msg);
-            return;
+            return reached("refused");
         }
     };
     same_as_loaded(&m, data, &[]);
@@ -39,14 +45,15 @@ fuzz_target!(|data: &[u8]| {
         .map(|e| ShardUrl::parse(&e.url, Path::new("/")))
         .collect::<Result<Vec<_>, _>>()
     else {
-        return;
+        return reached("parsed, names no shard");
     };
     if shards
         .iter()
         .zip(&m.shards)
         .any(|(s, e)| s.as_str() != e.url)
     {
-        return; // normalised (a relative path): not the manifest's own spelling
+        // normalised (a relative path): not the manifest's own spelling
+        return reached("parsed, names relative paths");
     }
     same_as_loaded(&m, data, &shards);
     let unique = m
@@ -69,6 +76,11 @@ fuzz_target!(|data: &[u8]| {
         }
         Err(e) => assert!(!unique && e.to_string().contains("twice"), "{e}"),
     }
+    reached(if unique {
+        "checked"
+    } else {
+        "checked, a shard twice"
+    });
 });
 
 /// `Loaded::parse` of `data` for the configured `shards` reads what `m` holds.

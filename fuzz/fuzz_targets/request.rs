@@ -17,11 +17,17 @@ use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Instant;
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
 use shardd::config::Config;
 use shardd::plan::request;
 use shardd::protocol::{MAX_CLIENT_FRAME, Request};
+
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
 
 /// Live bytes a plan may peak at: a plan costs the shard count and the streams of the
 /// request, bounded by `elastic::MAX_STREAMS`, never what its numbers say. The worst measured
@@ -105,16 +111,16 @@ static CONFIGS: LazyLock<Vec<Config>> = LazyLock::new(|| {
 
 fuzz_target!(|data: &[u8]| {
     if data.len() > MAX_CLIENT_FRAME as usize {
-        return;
+        return reached("over the frame limit");
     }
     // What the daemon refuses before planning: not a request, an unknown op or dataset.
     let Ok(req) = serde_json::from_slice::<Request>(data) else {
-        return;
+        return reached("not a request");
     };
     let known =
         |c: &Config| c.datasets.contains_key(&req.dataset) || c.mixes.contains_key(&req.dataset);
     if req.op != "stream" && req.op != "plan" || !known(&CONFIGS[0]) {
-        return;
+        return reached("unknown op or dataset");
     }
     let stream = req.stream_request();
     for config in CONFIGS.iter() {
@@ -139,6 +145,14 @@ fuzz_target!(|data: &[u8]| {
             );
         }
         assert!(peak <= MAX_PEAK, "planning peaked at {peak} bytes");
+        reached(match &planned {
+            Ok(_) => "planned".to_string(),
+            // The error's kind: a refusal at a bound is not a refusal at the door.
+            Err(e) => format!(
+                "refused ({})",
+                format!("{e:?}").split(['(', ' ']).next().unwrap()
+            ),
+        });
     }
 });
 

@@ -22,6 +22,8 @@
 use std::io::Read;
 use std::sync::{Arc, LazyLock};
 
+#[cfg(test)] // tests/fuzz_seeds.rs checks what each seed reached
+use crate::reached;
 use bytes::Bytes;
 #[cfg(not(test))] // tests/fuzz_seeds.rs has its own
 use libfuzzer_sys::fuzz_target;
@@ -29,6 +31,10 @@ use regex::Regex;
 use shardd::cache::ShardBytes;
 use shardd::cache::decompress::Compression;
 use shardd::shard::{self, MAX_FIELDS, ShardError};
+
+/// What a seed reached: recorded by tests/fuzz_seeds.rs, nothing in the fuzz build.
+#[cfg(not(test))]
+fn reached(_: impl AsRef<str>) {}
 
 #[derive(Debug, PartialEq, Clone, Copy)]
 enum Failure {
@@ -221,7 +227,8 @@ fn reference(data: &mut [u8], repair: Repair) -> Result<Vec<RefSample>, Failure>
     Ok(samples)
 }
 
-fn check(mut data: Vec<u8>, repair: Repair) {
+/// Whether the tar parsed (the reference and the parser agreeing either way).
+fn check(mut data: Vec<u8>, repair: Repair) -> bool {
     let _ = reference(&mut data, repair); // repairs checksums in place (if asked)
     let want = reference(&mut data, Repair::No);
     let bytes = Bytes::from(data);
@@ -254,11 +261,12 @@ fn check(mut data: Vec<u8>, repair: Repair) {
             ShardError::TooManyFields { .. } => Failure::TooManyFields,
         });
     assert_eq!(got, want);
+    got.is_ok()
 }
 
 fuzz_target!(|input: &[u8]| {
     let Some((&mode, data)) = input.split_first() else {
-        return;
+        return reached("empty");
     };
     let repair = match mode & 3 {
         1 => Repair::Unsigned,
@@ -268,14 +276,18 @@ fuzz_target!(|input: &[u8]| {
     let data = if let Some(compression) = Compression::detect(data) {
         let mut plain = Vec::new();
         let Ok(decoder) = compression.decoder(data) else {
-            return;
+            return reached("not decompressible");
         };
         if decoder.take(16 << 20).read_to_end(&mut plain).is_err() {
-            return;
+            return reached("not decompressible");
         }
         plain
     } else {
         data.to_vec()
     };
-    check(data, repair);
+    reached(if check(data, repair) {
+        "parsed"
+    } else {
+        "refused"
+    });
 });

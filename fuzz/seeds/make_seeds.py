@@ -6,6 +6,7 @@ import gzip
 import io
 import json
 import pathlib
+import random
 import shutil
 import struct
 import subprocess
@@ -67,8 +68,16 @@ def batches():
     ]))
     out("batch_decode", "empty", batch_body([]))
     out("batch_decode", "no-fields", batch_body([(b"k", b"u", [])]))
-    out("batch_roundtrip", "a", bytes(range(256)))
-    out("batch_roundtrip", "b", b"\x02gs://b/0.tar\x01jpg\x03k1\x00\x01\x00\x01\xff\x00\x10\x05" * 4)
+    # arbitrary's bytes for the target's Input, which no hand-written layout reached (both
+    # earlier seeds built empty tables: tests/fuzz_seeds.rs now says what each seed reaches):
+    # inputs drawn at random, mostly small bytes, of which these three build samples.
+    rng = random.Random(5)
+    drawn = []
+    for _ in range(74):
+        n = rng.choice([64, 128, 256, 512, 1024, 4096])
+        drawn.append(bytes(rng.choice([0, 1, 1, 2, 3, rng.randrange(256)]) for _ in range(n)))
+    for name, i in (("small", 10), ("medium", 5), ("large", 73)):
+        out("batch_roundtrip", name, drawn[i])
 
 
 def tar_bytes(fmt, members):
