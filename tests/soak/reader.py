@@ -37,15 +37,24 @@ MAX_ERRORS_PER_EPOCH = 5
 PARK_DEADLINE = 120.0
 
 
+# The client's warning when it lost the daemon mid-stream (_reconnect.py): one per outage of
+# one stream. Its other warnings (a first connection's retry, zero copy's fallback) are no
+# reconnect through a daemon's death.
+RECONNECT = "lost the shardd daemon at "
+
+
 class Recorder(logging.Handler):
-    """Writes the client's warnings (one per outage: a reconnect) to the ``.errors`` file."""
+    """Writes the client's warnings to the ``.errors`` file: RECONNECT for a reconnect,
+    WARNING for the others."""
 
     def __init__(self, errors):
         super().__init__(logging.WARNING)
         self.errors, self.epoch = errors, None
 
     def emit(self, record):
-        self.errors.write(f"RECONNECT\t{self.epoch}\t{record.getMessage()}\n")
+        message = record.getMessage()
+        kind = "RECONNECT" if message.startswith(RECONNECT) else "WARNING"
+        self.errors.write(f"{kind}\t{self.epoch}\t{message}\n")
         self.errors.flush()
 
 

@@ -444,13 +444,14 @@ def main():
             ready = [rd for rd in running if rd not in spared_reader and rd.has_read()]
             if ready:
                 kill_reader(rng.choice(ready))
+        # A daemon is killed only while a reader of its own is reading: its streams are open.
+        idle = [dm for dm in daemons if not dm.busy() and dm not in spared_daemon
+                and any(rd.daemon is dm and rd.has_read() for rd in running)]
         if time.time() < until and not kills["daemon"] and now >= first_kills["daemon"]:
-            idle = [dm for dm in daemons if not dm.busy() and dm not in spared_daemon]
             if idle:
                 kill_daemon(rng.choice(idle))
         if time.time() < until and now >= next_kill:
             next_kill = now + rng.expovariate(1 / args.kill_every)
-            idle = [dm for dm in daemons if not dm.busy() and dm not in spared_daemon]
             victims = [rd for rd in running if rd not in spared_reader]
             if rng.random() < 0.3 and idle:
                 kill_daemon(rng.choice(idle))
