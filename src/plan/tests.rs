@@ -1,5 +1,5 @@
 use super::*;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 fn req(
     seed: u64,
@@ -267,6 +267,71 @@ fn the_share_cache_gives_the_same_plans() {
                 let r = req(seed, case % 3, h * per_host, hosts * per_host, 0, workers);
                 assert_eq!(plan_stream(bare, topo, &r), plan_stream(cached, topo, &r));
                 assert_eq!(warm_shards(bare, topo), warm_shards(cached, topo));
+            }
+        }
+    }
+}
+
+/// `warm` fills the cache with what the host reads: every shard it reads in any epoch is in its
+/// warm list, the list names each shard once, and the hosts' lists together name every shard.
+#[test]
+fn warm_shards_are_what_the_host_reads_once_each() {
+    for case in 0..100 {
+        let (counts, hosts, per_host, workers, seed) = random_case(case);
+        for exact in [true, false] {
+            let shape = Shape {
+                counts: exact.then_some(&counts[..]),
+                share_seed: case,
+                ..Shape::shards(counts.len())
+            };
+            let mut everyone = BTreeSet::new();
+            for h in 0..hosts {
+                let topo = Topology {
+                    index: h,
+                    count: hosts,
+                };
+                let warm = warm_shards(shape, topo);
+                let once: BTreeSet<usize> = warm.iter().copied().collect();
+                assert_eq!(
+                    once.len(),
+                    warm.len(),
+                    "case {case}: a shard twice in {warm:?}"
+                );
+                everyone.extend(once.iter().copied());
+                for epoch in 0..4 {
+                    let read: Vec<usize> = if exact {
+                        (0..per_host * workers)
+                            .flat_map(|s| {
+                                let r = req(
+                                    seed,
+                                    epoch,
+                                    h * per_host + s / workers,
+                                    hosts * per_host,
+                                    s % workers,
+                                    workers,
+                                );
+                                plan_stream(shape, topo, &r)
+                                    .unwrap()
+                                    .pieces
+                                    .into_iter()
+                                    .map(|p| p.shard)
+                            })
+                            .collect()
+                    } else {
+                        host_shards(shape, topo, epoch)
+                    };
+                    assert!(
+                        read.iter().all(|s| once.contains(s)),
+                        "case {case}, host {h}, epoch {epoch}: reads {read:?}, warms {warm:?}"
+                    );
+                }
+            }
+            if !exact {
+                assert_eq!(
+                    everyone.len(),
+                    counts.len(),
+                    "case {case}: a shard no host warms"
+                );
             }
         }
     }

@@ -2,22 +2,34 @@
 delivery, reader, event and the client's decoder.
 
 A cell reads one epoch of a 2-rank job (1 host) through one reader while one event happens
-after its fifth sample. The `outage` event's cells read the same shards from a bucket (the bucket
-emulator in front of fake-gcs-server) that answers 503 to everything from then until the
-daemon has met it twice; the other cells read local files. Its oracle is the same cell read without the event (the same samples,
-in the same order, on every rank) and the contract of its mode: byte-equal to webdataset's
-reading of the same tars, every sample once per epoch across ranks, equal counts per rank, a
-mix's ±1 prefix bound, resampled lengths. A combination the daemon refuses (an elastic resume
-of a dataset without sample counts) checks the refusal's message.
+after its fifth sample. The `outage` event's cells read the same shards from a bucket (the
+bucket emulator in front of fake-gcs-server) that answers 503 to everything from then until
+the daemon has met it twice; the other cells read local files. Its oracle is the same cell
+read without the event, on a daemon of its own (the same samples, in the same order, on every
+rank), and the contract of its mode: byte-equal to webdataset's reading of the same tars,
+every sample once per epoch across ranks, equal counts per rank, a mix's ±1 prefix bound and
+no sample twice within a pass (per stream: each DataLoader worker's too), resampled streams
+of many distinct samples. A combination the daemon refuses (an elastic resume of a dataset
+without sample counts) checks the refusal's message.
+
+Every event proves it landed, or its cell fails (`Trigger.check`): a stream of the reader's
+was open when it fired; kill -9 and a restart made the reader reconnect (the client's own
+warning, counted in every process that read; for `pipe`, the new daemon served shards); a
+pause parked a stream; a slow reader was never parked; a deletion removed cache entries and
+shards were fetched again; the small budget evicted and its peak stayed under it; the outage
+met requests. No stream failed, in the daemon or in the one it replaced.
 
 CI runs a covering subset: every pair of axis values (of the cells that apply) at least once,
-chosen deterministically. `SHARDD_MATRIX=full` runs every cell. The run prints the matrix as a
+chosen deterministically, and a seventh of the other cells, chosen by the date: every cell
+runs within a week. `SHARDD_MATRIX=full` runs every cell. The run prints the matrix as a
 table of cells and results at the end of its output (conftest's pytest_terminal_summary)."""
 
 import collections
+import datetime
 import gzip
 import hashlib
 import itertools
+import logging
 import os
 import random
 import shutil
@@ -59,8 +71,10 @@ def applies(mode, delivery, reader, event, decoder):
     plain datasets' shards, always as a descriptor of the cache file (zero copy), and has no
     resume of its own, nor the client's decoder."""
     if reader == "pipe":
+        # `shardd get` hands each shard's file over whole, so a pause, a slow reader or a
+        # deletion acts on nothing of the daemon's: such cells would cover nothing.
         return (mode in ("shards", "tgz", "zst") and delivery == "zero_copy"
-                and event not in ("resume", "elastic") and decoder == "compiled")
+                and event not in ("resume", "elastic", "pause", "slow", "deleted") and decoder == "compiled")
     if event == "elastic" and reader != "client":
         return False
     if event == "resume" and reader == "torch":
@@ -101,10 +115,21 @@ def through_the_client(cells):
     return cells + extra
 
 
+def todays_slice(every, chosen, day):
+    """The cells of `every` not in `chosen`, in seven slices: the `day`-th (0-6). Seven days
+    run them all."""
+    rest = [c for c in every if c not in set(chosen)]
+    return rest[day % 7::7]
+
+
 FULL = os.environ.get("SHARDD_MATRIX") == "full"
 AXES = [MODES, DELIVERIES, READERS, EVENTS, DECODERS]
-CELLS = ([c for c in itertools.product(*AXES) if applies(*c)] if FULL
-         else through_the_client(covering(AXES, applies)))
+EVERY = [c for c in itertools.product(*AXES) if applies(*c)]
+# CI: the covering set, and a seventh of the other cells, chosen by the date (UTC), so that
+# each cell runs at least once a week (SHARDD_MATRIX_DAY=0..6 picks a slice).
+DAY = int(os.environ.get("SHARDD_MATRIX_DAY", datetime.datetime.now(datetime.timezone.utc).date().toordinal() % 7))
+COVERING = through_the_client(covering(AXES, applies))
+CELLS = EVERY if FULL else COVERING + todays_slice(EVERY, COVERING, DAY)
 RESULTS = {}
 
 
@@ -202,12 +227,12 @@ def digest_fields(fields):
                         if not k.startswith("__")))
 
 
-def digest(sample):
+def digest(sample, epoch=EPOCH):
     """What a cell compares: key, source (a mix's), and each field's MD5. Runs in the reader's
     process (a DataLoader worker's collate: a zero-copy memoryview never crosses a queue).
     Every reader asks for ``__seed__``: in every cell it must be the pure function of (seed,
     epoch, URL, key), whatever the mode, delivery, reader or event (a resume, a resize)."""
-    want = shardd.sample_seed(SEED, EPOCH, sample["__url__"], sample["__key__"])
+    want = shardd.sample_seed(SEED, epoch, sample["__url__"], sample["__key__"])
     assert sample["__seed__"] == want, f"{sample['__key__']}: __seed__ {sample['__seed__']}, not {want}"
     return (sample["__key__"], sample.get("__source__"), digest_fields(sample))
 
@@ -301,48 +326,89 @@ def read_job(d, data, mode, delivery, reader, event, bucket=False):
     """`bucket`: the daemon reads the bucket's copies (`start_daemon`)."""
     zero_copy = delivery == "zero_copy"
     resume = event == "resume"
-    fire = Trigger(d, event, data["bucket"])
+    fire = Trigger(d, event, reader, data["bucket"])
     urls = data["gcs_urls" if bucket or from_bucket(event) else "urls"]
     out = {}
-    for rank in range(WORLD):
-        if reader == "client":
-            out[rank] = client_reader(d, mode, zero_copy, rank, fire, resume)
-        elif reader == "grain":
-            out[rank] = grain_reader(d, mode, zero_copy, rank, fire, resume)
-        elif reader == "pipe":
-            out[rank] = pipe_reader(d, urls[mode], rank, fire)
-        else:
-            out[rank] = torch_reader(d, mode, zero_copy, rank, fire, resume, stateful=reader == "stateful")
+    try:
+        for rank in range(WORLD):
+            if reader == "client":
+                out[rank] = client_reader(d, mode, zero_copy, rank, fire, resume)
+            elif reader == "grain":
+                out[rank] = grain_reader(d, mode, zero_copy, rank, fire, resume)
+            elif reader == "pipe":
+                out[rank] = pipe_reader(d, urls[mode], rank, fire)
+            else:
+                out[rank] = torch_reader(d, mode, zero_copy, rank, fire, resume, stateful=reader == "stateful")
+    finally:
+        fire.close()
     fire.check()
     return out
 
 
-class Trigger:
-    """The event, fired once, after the AT-th sample of rank 0; `check` says it happened."""
+# What the client logs when it lost the daemon mid-stream and reconnects (_reconnect.py): one
+# line per reconnect, in whatever process read (a DataLoader worker too).
+RECONNECT = "lost the shardd daemon at"
 
-    def __init__(self, d, event, bucket=None):
-        self.d, self.event, self.fired = d, event, False
+
+class Trigger:
+    """The event, fired once, after the AT-th sample of rank 0; `check` proves that it landed:
+    that it acted on an open stream, and left the trace its kind must leave. A cell whose
+    event acted on nothing fails: it would have shown nothing.
+
+    The client's log (every process's: forked DataLoader workers inherit the handler) goes to
+    `client.log` beside the daemon's, where `check` counts the reconnects."""
+
+    def __init__(self, d, event, reader, bucket=None):
+        self.d, self.event, self.reader, self.fired = d, event, reader, False
         self.slow_left = 0
         self.bucket, self.outage = bucket, None
+        self.before, self.open_at_fire, self.deleted = {}, [], 0
+        # Streams that failed in daemons this cell killed or stopped (their counters die).
+        self.failed_earlier = 0
+        self.client_log = d.dir / "client.log"
+        self.client_log.write_text("")
+        self.handler = logging.FileHandler(self.client_log)
+        self.handler.setFormatter(logging.Formatter("%(process)d %(levelname)s %(name)s: %(message)s"))
+        self.logger = logging.getLogger("shardd")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self.handler)
+
+    def close(self):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+        self.handler.close()
 
     def __call__(self, n):
         if self.slow_left:
-            # A slow, steady reader: takes a sample every 10 ms for 1.5 s (longer than the
-            # stall timeout, 1 s; a pause it is not: a torch worker's stream gives up a batch
-            # every ~20 of the trainer's samples, 0.2 s, 5x inside the stall timeout).
+            # A slow, steady reader: takes a sample every 10 ms for 3 s (longer than the stall
+            # timeout, 2 s, with room for a descheduled second; a pause it is not: a torch
+            # worker's stream gives up a batch every ~20 of the trainer's samples, 0.2 s).
             self.slow_left -= 1
             time.sleep(0.01)
         if self.fired or n != AT:
             return
         self.fired = True
         d = self.d
+        scrape = d.metrics()
+        self.before = {name: d.metric(name, scrape) for name in (
+            "shardd_stream_parks_total", "shardd_shard_fetches_total", "shardd_cache_evictions_total",
+            "shardd_gets_total")}
+        self.open_at_fire = d.status()["streams"]
+        if self.event in ("kill9", "restart"):
+            self.failed_earlier = d.metric('shardd_streams_total{outcome="failed"}', scrape)
         if self.event == "pause":
             # An evaluation pass: the daemon parks every stream it cannot send to (or has
             # sent all of them), then the reader reads on.
-            wait_for(lambda: all(s["waiting_on"] == "parked" for s in d.status()["streams"]),
-                     "the paused streams to park or finish")
+            try:
+                wait_for(lambda: d.metric("shardd_stream_parks_total") > self.before["shardd_stream_parks_total"]
+                         and all(s["waiting_on"] == "parked" for s in d.status()["streams"]),
+                         "the paused streams to park")
+            except TimeoutError as e:
+                raise AssertionError(f"{e}: streams {d.status()['streams']}, open when the pause began "
+                                     f"{self.open_at_fire}") from None
         elif self.event == "slow":
-            self.slow_left = 150
+            self.slow_left = 300
         elif self.event == "kill9":
             d.kill()
             d.start()
@@ -372,24 +438,53 @@ class Trigger:
             for f in (d.dir / "cache").rglob("*"):
                 if f.is_file():
                     # A download's file may be committed (renamed) or dropped meanwhile.
-                    f.unlink(missing_ok=True)
+                    try:
+                        f.unlink()
+                        self.deleted += f.parent.name == "entries"
+                    except FileNotFoundError:
+                        pass
 
     def check(self):
-        # Whatever the event, no stream failed in the daemon: a failure the client's reconnect
-        # hid (a frame a park could not re-encode, say) is a defect all the same.
-        failed = sum(float(line.rsplit(" ", 1)[1]) for line in self.d.metrics().splitlines()
-                     if line.startswith("shardd_streams_total{") and 'outcome="failed"' in line)
-        assert failed == 0, f"{failed:.0f} streams failed in the daemon (see its log: {self.d.log_path})"
+        d = self.d
+        scrape = d.metrics()
+        # Whatever the event, no stream failed in the daemon (nor in the one it replaced): a
+        # failure the client's reconnect hid (a frame a park could not re-encode, say) is a
+        # defect all the same.
+        failed = self.failed_earlier + d.metric('shardd_streams_total{outcome="failed"}', scrape)
+        assert failed == 0, f"{failed:.0f} streams failed in the daemon (see its log: {d.log_path})"
         if self.event in ("none", "elastic", "resume"):
             return
         assert self.fired, "the event never fired"
+        grew = {name: d.metric(name, scrape) - self.before[name] for name in self.before}
+        if self.reader != "pipe" and self.event not in ("budget", "outage"):
+            # A stream of the reader's was open in the daemon: the event met it mid-way.
+            assert self.open_at_fire, f"no stream was open when the {self.event} began: it acted on nothing"
+        reconnects = self.client_log.read_text().count(RECONNECT)
+        if self.event in ("kill9", "restart"):
+            if self.reader == "pipe":
+                # `shardd get` has no stream to reconnect: the new daemon served the shards after.
+                assert d.metric('shardd_gets_total{outcome="served"}', scrape) >= 1, \
+                    "no shard was read through the restarted daemon"
+            else:
+                assert reconnects >= 1, f"the reader never reconnected through the {self.event} ({self.client_log})"
+        else:
+            assert reconnects == 0, f"the reader reconnected {reconnects} times ({self.client_log})"
+        if self.event == "pause":
+            assert grew["shardd_stream_parks_total"] >= 1, "the pause parked no stream"
         if self.event == "slow":
-            assert self.d.metric("shardd_stream_parks_total") == 0, "a slow, steady reader was parked"
+            assert self.slow_left == 0, "the stream ended before the slow reading did"
+            assert grew["shardd_stream_parks_total"] == 0, "a slow, steady reader was parked"
+        if self.event == "deleted":
+            assert self.deleted >= 1, "no cache entry was there to delete"
+            assert grew["shardd_shard_fetches_total"] >= 1, "nothing was fetched again after the deletion"
+        if self.event == "budget":
+            assert grew["shardd_cache_evictions_total"] >= 1, "the other dataset evicted nothing"
+            assert d.metric("shardd_cache_bytes_max", scrape) <= d.metric("shardd_cache_capacity_bytes", scrape)
         if self.event == "outage":
             self.outage.join()
-            assert self.d.metric('shardd_store_requests_total{outcome="unavailable"}') >= 2, \
+            assert d.metric('shardd_store_requests_total{outcome="unavailable"}', scrape) >= 2, \
                 "the outage never met a request"
-            assert self.d.metric('shardd_store_errors_total{kind="pushback"}') == 0
+            assert d.metric('shardd_store_errors_total{kind="pushback"}', scrape) == 0
 
 
 def from_bucket(event):
@@ -405,15 +500,22 @@ def start_daemon(make_daemon, data, event, tag, bucket=False):
     cache = (f'max_size = "{16 * SHARD_BYTES}"\nblock_size = "64KiB"\n' if event == "budget"
              else "")
     body = data["gcs_body" if bucket or from_bucket(event) else "body"]
-    return make_daemon(body, name=tag, server='stall_timeout = "1s"', cache=cache)
+    # A zero-copy stream's frames are small: the rest of a rank's stream fits in the socket
+    # buffer, so a pause would find nothing to park. With two maps a connection, the daemon
+    # sends the samples of a third shard inline while the paused client holds its maps: the
+    # socket fills, and the stream parks as a socket stream does.
+    server = 'stall_timeout = "2s"\n' + ("zero_copy_maps = 2\n" if event == "pause" else "")
+    return make_daemon(body, name=tag, server=server, cache=cache)
 
 
 # -- the contract ----------------------------------------------------------------------------
 
 
 def check_contract(mode, job, data, streams):
-    """`streams`: per rank (a DataLoader's workers each read one)."""
+    """`streams`: per rank (a DataLoader's 2 workers each read one; with batch_size=None it
+    yields their samples in turn, so worker w's stream is every 2nd sample from the w-th)."""
     want, ranks = data["want"], list(job.values())
+    each = [r[w::streams] for r in ranks for w in range(streams)]
     for samples in ranks:
         for key, source, fields in samples:
             assert want[key] == fields, f"sample {key} differs from webdataset's reading"
@@ -425,15 +527,31 @@ def check_contract(mode, job, data, streams):
             assert len(set(counts)) == 1, f"unequal ranks: {counts}"
     elif mode == "resampled":
         assert counts == [RESAMPLED_E * streams] * WORLD
+        # A stream of 200 draws about 10 of the 24 shards, with replacement: samples of many
+        # shards, most of them once (not 200 copies of a few). The draw is pinned below: the
+        # same on a daemon of its own (the baseline).
+        for stream in each:
+            distinct = {k for k, _, _ in stream}
+            shards = {k.split("/")[0] for k in distinct}
+            assert len(shards) >= 4 and len(distinct) >= len(stream) // 2, \
+                f"{len(distinct)} distinct samples of {len(shards)} shards in a stream of {len(stream)}"
     elif mode == "mix":
         assert counts == [MIX_E * streams] * WORLD
-        # Each source is its own exact stream: within a pass, no sample twice. Epoch 0 draws
-        # 90 + 40 of web's 320 samples per stream, 30 + 40 of books' 160: with 2 streams, no
-        # pass ends.
-        if streams == 1:
-            assert len(set(keys)) == len(keys), "a mix's sample read twice in one pass"
+        # Each source is its own exact dataset, its pass dealt over the job's streams: a
+        # stream's share of a pass is the source's samples / streams (web's 16 shards and
+        # books' 8 divide evenly), and within a share no sample comes twice. Epoch 0 draws
+        # 90 + 40 of web's samples per stream, 30 + 40 of books': with 2 streams no pass ends
+        # (shares of 160 and 80), with 4 (a DataLoader's) both do (80 and 40).
+        sizes = {"web": len(data["web"]), "books": len(want) - len(data["web"])}
+        for stream in each:
+            for source, size in sizes.items():
+                share = size // (WORLD * streams)
+                drawn = [k for k, src, _ in stream if src == source]
+                for at in range(0, len(drawn), share):
+                    part = drawn[at:at + share]
+                    assert len(set(part)) == len(part), f"a sample of {source} read twice in one pass"
         change = MIX_AT // (WORLD * streams)
-        for r in ranks if streams == 1 else []:  # a DataLoader interleaves its workers' streams
+        for r in each:
             # The ±1 bound in each segment, counted from its start.
             for segment, weights in ((r[:change], (3, 1)), (r[change:], (1, 1))):
                 seen = collections.Counter()
@@ -481,9 +599,10 @@ def elastic_cell(d, mode, delivery, data):
         # the history, the one new stream starts at its own arithmetic's position and reads
         # part of epoch 0's samples again.)
         history = shardd.next_history(None, origin, EPOCH)
-        with shardd.Client(d.socket, zero_copy=zero_copy) as c:
-            nxt = [x["__key__"] for x in c.stream(mode, epoch=EPOCH + 1, rank=0, world_size=1,
-                                                  seed=SEED, history=history)]
+        with shardd.Client(d.socket, zero_copy=zero_copy, sample_seeds=True) as c:
+            # The next epoch's seeds are the next epoch's: the function of (seed, epoch + 1, ...).
+            nxt = [digest(x, EPOCH + 1)[0] for x in c.stream(mode, epoch=EPOCH + 1, rank=0, world_size=1,
+                                                             seed=SEED, history=history)]
         reads = collections.Counter(got + nxt)
         for keys in (data["web"], set(data["want"]) - data["web"]):
             counts = [reads[k] for k in keys]
@@ -515,14 +634,15 @@ def test_cell(make_daemon, data, mode, delivery, reader, event, decoder, monkeyp
     check_contract(mode, got, data, streams=2 if reader in ("torch", "stateful") else 1)
     # The baseline may come from a cell of the other decoder: the same samples either way. A
     # bucket's shards have other URLs than the files (and so other orders): its own baseline.
+    # Only a cell without an event makes one, and a daemon of its own reads it (an event-free
+    # cell reads twice: the draw and the shuffle are the same on another daemon).
     bucket = from_bucket(event)
     base = BASELINES.get((mode, delivery, reader, bucket))
-    if base is None and event != "none":
+    if base is None:
         d = start_daemon(make_daemon, data, "none", "base", bucket=bucket)
         base = read_job(d, data, mode, delivery, reader, "none", bucket=bucket)
-    if base is not None:
-        assert got == base, "not the samples, or not the order, of the same cell without the event"
-    BASELINES[mode, delivery, reader, bucket] = got
+        BASELINES[mode, delivery, reader, bucket] = base
+    assert got == base, "not the samples, or not the order, of the same cell without the event"
     RESULTS[cell] = "ok"
 
 
@@ -531,7 +651,7 @@ def matrix_table():
     end of the session's output (conftest's pytest_terminal_summary)."""
     if not RESULTS:
         return None
-    lines = [f"conformance matrix: {len(RESULTS)} cells ({'full' if FULL else 'every pair of values'})",
+    lines = [f"conformance matrix: {len(RESULTS)} cells ({'full' if FULL else f'every pair of values, and slice {DAY} of 7 of the rest'})",
              "| mode | delivery | reader | event | decoder | result |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {' | '.join(c)} | {r} |" for c, r in sorted(RESULTS.items())]
@@ -557,13 +677,12 @@ def test_zero_copy_in_a_cache_of_a_few_shards_reads_what_the_socket_path_reads(m
 
     def watch_maps(n):
         nonlocal mapped_peak
-        try:
-            mapped_peak = max(mapped_peak, d.metric("shardd_zero_copy_mapped_bytes"))
-        except KeyError:  # a daemon before the bound
-            pass
+        mapped_peak = max(mapped_peak, d.metric("shardd_zero_copy_mapped_bytes"))
         if n == AT:
-            Trigger(d, "pause")(AT)
-            Trigger(d, "budget")(AT)
+            for event in ("pause", "budget"):
+                trigger = Trigger(d, event, "client")
+                trigger(AT)
+                trigger.close()
 
     got = []
     with shardd.Client(d.socket, zero_copy=zero_copy, sample_seeds=True) as c:

@@ -221,3 +221,39 @@ def test_serve_says_at_start_how_many_streams_the_budget_holds(make_daemon, tmp_
         warning = (f"cache.max_size ({budget} bytes) is below the working set of one stream of dataset train "
                    f"({one} bytes, with zero copy's maps): streams wait for space and fail with cache_full")
         assert (warning in log) == (fits == 0), log
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["socket", "zero_copy"])
+def test_the_streams_plan_sizes_for_read_at_exactly_its_minimum_budget(make_daemon, tmp_path, dataset, zero_copy):
+    """The formula's own oracle is a daemon: the streams `plan` sized a host for (2 ranks, one
+    host) read their epoch at once in a cache of exactly the MIN BUDGET it printed, every
+    sample, with no stream ever failing for space (cache_full) and the cache never past it."""
+    import threading
+
+    import shardd
+
+    pattern, manifest, _ = dataset
+    maps = 16 if zero_copy else 0
+    sized = json.loads(plan(config(tmp_path, dataset, cache='max_size = "1GiB"', server=f"zero_copy_maps = {maps}"),
+                            1, 2, 1).stdout)
+    budget = sized["per_host"][0]["working_set"]["min_budget"]
+    d = make_daemon(f'[datasets.train]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 25\n',
+                    server=f"zero_copy_maps = {maps}", cache=f'max_size = "{budget}"\nspace_timeout = "10s"')
+    keys, errors = [[], []], []
+
+    def read(rank):
+        try:
+            with shardd.Client(d.socket, zero_copy=zero_copy) as c:
+                keys[rank] = [s["__key__"] for s in c.stream("train", epoch=0, rank=rank, world_size=2)]
+        except Exception as e:  # noqa: BLE001 (reported below, with the rank)
+            errors.append(f"rank {rank}: {e}")
+
+    readers = [threading.Thread(target=read, args=(r,)) for r in range(2)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert sorted(keys[0] + keys[1]) == sorted(f"s{i:02d}{j:03d}" for i in range(SHARDS) for j in range(SAMPLES))
+    assert d.metric("shardd_cache_full_total") == 0
+    assert d.metric("shardd_cache_bytes_max") <= budget
