@@ -368,3 +368,69 @@ def test_check_offline_as_a_normal_user_says_which_directory_it_may_not_write(tm
         assert re.search(r"server.socket /run/shardd/shardd.sock: /run(/shardd)? is not writable", out), out
     finally:
         shutil.rmtree(base)
+
+
+def test_a_resize_plan_verify_certifies_reads_so_on_real_daemons(make_daemon, tmp_path):
+    """`plan --verify`'s certificate against what daemons deliver (its own replay of the
+    planner is no oracle): the old job (2 hosts × 1 rank × 2 workers) reads to its checkpoint
+    (workers at 7 and 5 samples) on two daemons, the new one (4 hosts) reads the rest on four.
+    What the old streams delivered and the new ones read is webdataset's keys less the drops
+    the certificate planned, every sample once."""
+    import json
+
+    import webdataset as wds
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(10):
+        with wds.TarWriter(str(shards / f"train-{i:02d}.tar")) as sink:
+            for j in range(7 + i):
+                sink.write({"__key__": f"s{i:02d}{j:03d}", "cls": b"1"})
+    every = {s["__key__"] for s in wds.WebDataset(str(shards / "train-{00..09}.tar"), shardshuffle=False)}
+    pattern = str(shards / "train-{00..09}.tar")
+    manifest = tmp_path / "train.manifest.json"
+    assert subprocess.run([SHARDD, "index", pattern, "-o", str(manifest)], capture_output=True,
+                          timeout=120).returncode == 0
+    dataset = f'[datasets.train]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 5\n'
+    (tmp_path / "c.toml").write_text(dataset)
+    # 115 samples; the old job's epoch (4 streams of 28) drops 3 of them: its streams, read
+    # whole, say which.
+    origin = {"hosts": 2, "world_size": 2, "num_workers": 2, "positions": [7, 5]}
+    v = json.loads(subprocess.run(
+        [SHARDD, "plan", "--config", str(tmp_path / "c.toml"), "--seed", "3", "--epoch", "1", "--verify",
+         "--hosts", "4", "--ranks", "1", "--workers", "2", "--from", "2,1,2", "--positions", "7,5", "--json"],
+        capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert v["breaches"] == []
+
+    def host(index, count):
+        return make_daemon(f"[host]\nindex = {index}\ncount = {count}\n" + dataset, name=f"h{index}of{count}")
+
+    delivered, old_epoch = [], []
+    for rank in range(2):
+        d = host(rank, 2)
+        with shardd.Client(d.socket) as c:
+            for worker, position in enumerate(origin["positions"]):
+                keys = [x["__key__"] for x in c.stream("train", epoch=1, rank=rank, world_size=2, seed=3,
+                                                       worker=worker, num_workers=2)]
+                delivered += keys[:position]
+                old_epoch += keys
+        d.stop()
+    read, counts = [], []
+    for rank in range(4):
+        d = host(rank, 4)
+        with shardd.Client(d.socket) as c:
+            for worker in range(2):
+                keys = [x["__key__"] for x in c.stream("train", epoch=1, rank=rank, world_size=4, seed=3, worker=worker,
+                                                       num_workers=2, resume_from=origin)]
+                read += keys
+                counts.append(len(keys))
+        d.stop()
+    (source,) = v["sources"]
+    assert len(old_epoch) == len(set(old_epoch)) == source["epoch"] and set(old_epoch) <= every
+    assert (len(delivered), len(read)) == (source["delivered"], source["read"])
+    got = delivered + read
+    assert len(set(got)) == len(got), "a sample read twice across the resize"
+    assert set(got) <= set(old_epoch), "a sample the old epoch did not hold"
+    assert len(set(old_epoch) - set(got)) == v["planned_dropped"], "drops other than the certificate's"
+    ranks = [counts[2 * r] + counts[2 * r + 1] for r in range(4)]
+    assert ranks == [v["counts"]["rank_min"]] * 4 and v["counts"]["rank_min"] == v["counts"]["rank_max"], counts
