@@ -41,7 +41,7 @@ pub enum OpenError {
         "the cache directory {dir} is in use by another shardd (pid {pid}); two daemons must not share cache.dir"
     )]
     Locked { dir: PathBuf, pid: String },
-    #[error("cannot open the cache directory {dir}: {source}{}", hint(source))]
+    #[error("cannot open cache.dir {dir}: {source}{}", hint(source))]
     Io { dir: PathBuf, source: io::Error },
 }
 
@@ -49,8 +49,11 @@ pub enum OpenError {
 /// with the defaults, which are root's).
 fn hint(e: &io::Error) -> &'static str {
     match e.kind() {
-        io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem => {
-            "; set [cache] dir in the config to a directory this user may write (a relative path is the config file's directory's)"
+        io::ErrorKind::PermissionDenied
+        | io::ErrorKind::ReadOnlyFilesystem
+        | io::ErrorKind::NotADirectory
+        | io::ErrorKind::AlreadyExists => {
+            "; set [cache] dir to a directory this user may write (a relative path is the config file's directory's)"
         }
         _ => "",
     }

@@ -95,7 +95,7 @@ fn local_errors(config: &Config) -> Vec<String> {
     if let Some(group) = &config.socket_group
         && let Err(e) = crate::serve::daemon::group_id(group)
     {
-        errors.push(format!("server.socket_group {group:?}: {e}"));
+        errors.push(format!("server.socket_group: {e}"));
     }
     errors
 }

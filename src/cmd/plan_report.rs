@@ -260,7 +260,7 @@ pub async fn run(config: &Path, args: Args) -> anyhow::Result<()> {
             let text = stores
                 .read_whole(&source)
                 .await
-                .with_context(|| format!("reading the manifest {source}"))?;
+                .with_context(|| format!("datasets.{name}.manifest"))?;
             let (counts, sizes) = {
                 let manifest = Manifest::parse(&text, source.as_str())?;
                 drop(text);
@@ -357,7 +357,10 @@ async fn verify_run(mut config: Config, args: Args) -> anyhow::Result<()> {
         };
         let (manifest, at) = crate::shard::manifest::load(&stores, &source, &d.shards)
             .await
-            .with_context(|| format!("reading the manifest {source}"))?;
+            .map_err(|source| crate::serve::daemon::StartError::Manifest {
+                dataset: d.name.clone(),
+                source,
+            })?;
         d.set_counts(at.iter().map(|&i| manifest.samples(i)).collect());
     }
     let origin = match (&args.resume_from, args.from) {

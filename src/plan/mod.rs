@@ -126,7 +126,8 @@ pub enum PlanError {
     )]
     UnevenHosts { world_size: u32, hosts: u32 },
     #[error(
-        "rank {rank} is not on this host: host {host} of {hosts} serves ranks {first}..={last} of world_size {world_size}"
+        "rank {rank} is not on this host: host {host} of {hosts} serves ranks {first}..={last} of world_size {world_size}; rank {rank} is host {owner}'s: each host's daemon needs its own host.index (\"auto\" on a TPU VM)",
+        owner = .rank / (.world_size / .hosts).max(1)
     )]
     RankNotOnHost {
         rank: u32,

@@ -24,13 +24,21 @@ pub enum StartError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("another shardd is already serving on {path}")]
+    #[error(
+        "another shardd is already serving on {path}; stop it, or set server.socket to another path"
+    )]
     InUse { path: PathBuf },
+    #[error("cannot give the socket {path} the group {group:?} (server.socket_group): {source}")]
+    SocketGroup {
+        path: PathBuf,
+        group: String,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Cache(#[from] OpenError),
     #[error(transparent)]
     Host(#[from] crate::config::host::HostError),
-    #[error("dataset {dataset:?}: {source}")]
+    #[error("dataset {dataset:?}: {source}{}", manifest_hint(dataset, source))]
     Manifest {
         dataset: String,
         source: crate::shard::manifest::ManifestError,
@@ -44,6 +52,17 @@ pub enum StartError {
         addr: String,
         source: std::io::Error,
     },
+}
+
+/// What to do about a manifest that names other shards, or shards changed since indexing.
+fn manifest_hint(dataset: &str, e: &crate::shard::manifest::ManifestError) -> String {
+    use crate::shard::manifest::ManifestError;
+    match e {
+        ManifestError::Mismatch { .. } | ManifestError::Shard { .. } => format!(
+            "; run `shardd index` on datasets.{dataset}.shards again to rewrite datasets.{dataset}.manifest, or fix datasets.{dataset}.shards"
+        ),
+        _ => String::new(),
+    }
 }
 
 /// Runs the daemon until `shutdown` is cancelled.
@@ -409,15 +428,21 @@ pub fn bind_socket(
     let _ = std::fs::remove_file(&temp);
     let listener = std::os::unix::net::UnixListener::bind(&temp).map_err(err)?;
     let placed = (|| {
-        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode))?;
+        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode)).map_err(err)?;
         if let Some(group) = group {
-            std::os::unix::fs::chown(&temp, None, Some(group_id(group)?))?;
+            group_id(group)
+                .and_then(|gid| std::os::unix::fs::chown(&temp, None, Some(gid)))
+                .map_err(|source| StartError::SocketGroup {
+                    path: path.to_path_buf(),
+                    group: group.to_string(),
+                    source,
+                })?;
         }
-        std::fs::rename(&temp, path)
+        std::fs::rename(&temp, path).map_err(err)
     })();
     if let Err(e) = placed {
         let _ = std::fs::remove_file(&temp);
-        return Err(err(e));
+        return Err(e);
     }
     let m = std::fs::symlink_metadata(path).map_err(err)?;
     listener.set_nonblocking(true).map_err(err)?;

@@ -321,20 +321,23 @@ def test_check_offline_refuses_what_stops_serve(tmp_path, train_paths, case):
     if case == "manifest of other shards":
         dataset += 'manifest = "three.manifest.json"\n'
         said = f"manifest {tmp_path}/three.manifest.json does not match the configured shards"
+        hint = "run `shardd index` on datasets.train.shards again to rewrite datasets.train.manifest"
     elif case == "cache.dir under a file":
         (tmp_path / "file").write_text("")
         cache = '[cache]\ndir = "file/cache"\n'
-        said = "file"
+        said, hint = f"{tmp_path}/file", "set [cache] dir to a directory this user may write"
     else:
         server += 'socket_group = "no-such-group-shardd"\n'
         said = 'no group "no-such-group-shardd" in /etc/group'
+        hint = "server.socket_group"
     (tmp_path / "c.toml").write_text(server + cache + dataset)
     (check_code, check_out), (serve_code, serve_out) = offline_and_serve(tmp_path / "c.toml")
     assert serve_code == 1 and said in serve_out, serve_out
     assert check_code == 1 and said in check_out, check_out
     assert "problems would stop `shardd serve`" in check_out, check_out
-    if case == "cache.dir under a file":
-        assert "set [cache] dir" in check_out, check_out
+    # Both name the key to change.
+    assert hint in serve_out, serve_out
+    assert hint in check_out, check_out
 
 
 def test_check_offline_finds_a_local_datasets_missing_shards(tmp_path, train_paths):

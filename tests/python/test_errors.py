@@ -45,6 +45,10 @@ def test_rank_on_another_host(make_daemon, fake_gcs):
     with shardd.Client(d.socket) as c:
         with pytest.raises(shardd.DaemonError, match=r"rank 0 is not on this host: host 1 of 2 serves ranks 4..=7"):
             c.stream("train", epoch=0, rank=0, world_size=8)
+        with pytest.raises(shardd.DaemonError) as e:
+            c.stream("train", epoch=0, rank=2, world_size=8)
+        assert str(e.value).endswith("; rank 2 is host 0's: each host's daemon needs its own host.index "
+                                     '("auto" on a TPU VM)'), str(e.value)
         with pytest.raises(shardd.DaemonError, match="world_size 3 is not divisible by the host count 2"):
             c.stream("train", epoch=0, rank=0, world_size=3)
 

@@ -95,9 +95,13 @@ pub async fn check_working_set(
     let Some(source) = &d.manifest else {
         return Ok((vec![], vec![]));
     };
+    // In serve's words (`check` is `serve` without serving).
     let (manifest, at) = crate::shard::manifest::load(stores, source, &d.shards)
         .await
-        .with_context(|| format!("dataset {name}: reading the manifest {source}"))?;
+        .map_err(|source| crate::serve::daemon::StartError::Manifest {
+            dataset: name.clone(),
+            source,
+        })?;
     let bytes: u64 = at.iter().map(|&i| manifest.size(i)).sum();
     let samples: u64 = at.iter().map(|&i| manifest.samples(i)).sum();
     let (line, warning) = crate::config::space::streams_line(config, d, samples, bytes);
