@@ -480,7 +480,7 @@ fn refuses_what_this_host_cannot_serve() {
     );
     assert_eq!(
         err(req(0, 0, 1, 4, 0, 1)),
-        "rank 1 is not on this host: host 1 of 2 serves ranks 2..=3 of world_size 4"
+        "rank 1 is not on this host: host 1 of 2 serves ranks 2..=3 of world_size 4; rank 1 is host 0's: each host's daemon needs its own host.index (\"auto\" on a TPU VM)"
     );
     assert_eq!(
         err(req(0, 0, 2, 4, 2, 2)),
