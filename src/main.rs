@@ -64,6 +64,14 @@ enum Command {
         /// Shards read at once.
         #[arg(long, default_value_t = 4)]
         parallel: usize,
+        /// Index only part i of N (from 0): the shards whose number in the patterns is i
+        /// modulo N. Each host of a pod runs its own part; then one runs --merge.
+        #[arg(long, value_name = "i/N", conflicts_with = "merge")]
+        part: Option<shardd::shard::manifest::parts::Part>,
+        /// Write the patterns' manifest from the parts' manifests (paths or URLs; brace
+        /// patterns, repeatable), once they cover the patterns exactly once. Reads no shard.
+        #[arg(long, value_name = "PART")]
+        merge: Vec<String>,
     },
     /// Fill the cache with this host's share of the datasets (all, or one), ahead of a job.
     /// Idempotent: what is cached and unchanged is not fetched again. Run it while the
@@ -230,7 +238,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             output,
             config,
             parallel,
-        } => runtime.block_on(index::run(patterns, output, config, parallel)),
+            part,
+            merge,
+        } => runtime.block_on(index::run(
+            index::Args {
+                patterns,
+                output,
+                parallel,
+                part,
+                merge,
+            },
+            config,
+        )),
         Command::Warm { config, dataset } => {
             let config = Config::load(&config)?;
             runtime.block_on(warm::run(config, dataset))

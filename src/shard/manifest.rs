@@ -16,6 +16,7 @@ use crate::config::url::ShardUrl;
 use crate::store::{ReadError, Stores, Version};
 
 mod compact;
+pub mod parts;
 
 pub use compact::Loaded;
 
