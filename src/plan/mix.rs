@@ -184,11 +184,6 @@ impl Mix {
         &self.quotas
     }
 
-    /// E: positions in the epoch.
-    pub fn epoch_len(&self) -> u64 {
-        self.e
-    }
-
     /// Walks block `j` of split node `id` from its pin for `steps` steps (at most the block's
     /// length) and returns c there. With `dirs`, `dirs[i]` is 1 when the block's step i goes
     /// left, else 0.

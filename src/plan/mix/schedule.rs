@@ -23,7 +23,8 @@ use super::{Cursor, Mix, MixError};
 use crate::config::{MixDataset, ScheduleFrom};
 use crate::plan::shuffle::{key, tag};
 
-/// Positions `start..start + mix.epoch_len()` of an epoch, interleaved by `weights`.
+/// Positions `start..` (to the next segment's start, or the epoch's end) of an epoch,
+/// interleaved by `weights`.
 #[derive(Debug, Clone)]
 pub struct Segment {
     pub start: u64,

@@ -67,6 +67,7 @@ fn an_at_entry_starts_at_the_first_step_the_job_has_read_that_many() {
 #[test]
 fn each_segment_holds_the_prefix_bound_from_its_start_and_its_quotas() {
     let mut rng = SplitMix64::new(26);
+    let mut several = 0;
     for case in 0..300 {
         let (m, streams) = random_case(&mut rng);
         let epoch = rng.below(4);
@@ -74,6 +75,9 @@ fn each_segment_holds_the_prefix_bound_from_its_start_and_its_quotas() {
         let key = rng.next_u64();
         let labels: Vec<usize> = mix.cursor(key, 0).collect();
         assert_eq!(labels.len() as u64, m.samples_per_epoch, "case {case}");
+        // The last segment ends where the epoch does (its bound is checked to there).
+        assert_eq!(mix.epoch_len(), labels.len() as u64, "case {case}");
+        several += (mix.segments().len() > 1) as usize;
         let mut total = vec![0u64; m.sources.len()];
         for (j, s) in mix.segments().iter().enumerate() {
             let end = mix
@@ -101,6 +105,10 @@ fn each_segment_holds_the_prefix_bound_from_its_start_and_its_quotas() {
         assert_eq!(total, mix.quotas(), "case {case}");
         assert_eq!(mix.quotas(), m.quotas(epoch, streams));
     }
+    assert!(
+        several > 30,
+        "{several} of 300 epochs had more than one segment"
+    );
 }
 
 #[test]
