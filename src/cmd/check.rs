@@ -1,8 +1,9 @@
 //! `shardd check`: `serve` without serving. Every condition that stops `serve` at start
-//! fails `check` (exit 1) with the same message. Offline (`--offline`) it asks no store and no
-//! metadata server, and still checks all that needs neither: the config, the directories
-//! `serve` must write, the socket's group, and every dataset whose shards and manifest are
-//! local files (reading a file asks no one).
+//! fails `check` (exit 1) with the same message, and so does a shard it cannot read. Offline
+//! (`--offline`) it asks no store and no metadata server, and still checks all that needs
+//! neither: the config, the directories `serve` must write, the socket's group, and every
+//! dataset whose shards and manifest are local files (reading a file asks no one); there a
+//! missing shard is a warning, as it is to `serve`.
 
 use std::path::Path;
 
@@ -41,7 +42,16 @@ pub async fn run(path: &Path, reach_stores: bool) -> anyhow::Result<()> {
         if !reach_stores && !is_local(d) {
             continue;
         }
-        missing_in_all += check_shards(&stores, name, &d.shards, config.max_downloads).await;
+        let missing = check_shards(&stores, name, &d.shards, config.max_downloads).await;
+        if reach_stores {
+            missing_in_all += missing;
+        } else if missing > 0 {
+            // Offline is what stops `serve`, and a missing shard does not: it starts, and
+            // says so (a boot script checks offline before the shards are all there).
+            println!(
+                "warning: dataset {name}: {missing} shards cannot be read: `serve` starts, and streams of this dataset fail"
+            );
+        }
         match plan_report::check_working_set(&config, &stores, d).await {
             Ok((lines, warnings)) => {
                 lines.iter().for_each(|l| println!("{l}"));
