@@ -503,11 +503,12 @@ def start_daemon(make_daemon, data, event, tag, bucket=False):
              else "")
     body = data["gcs_body" if bucket or from_bucket(event) else "body"]
     # A zero-copy stream's frames are small: the rest of a rank's stream fits in the socket
-    # buffer, so a pause would find nothing to park, and a kill could come after the last
-    # frame was sent (the reader then has nothing to reconnect for). With two maps a
-    # connection, the daemon sends the samples of a third shard inline while the reader holds
-    # its maps: the socket fills, and the stream is mid-way when the event comes.
-    server = 'stall_timeout = "2s"\n' + ("zero_copy_maps = 2\n" if event in ("pause", "kill9", "restart") else "")
+    # buffer, so it can be sent whole before the event: a pause would find nothing to park, a
+    # kill nothing to reconnect for, a deletion no open stream. With two maps a connection,
+    # the daemon sends the samples of a third shard inline while the reader holds its maps:
+    # the socket fills, and the stream is mid-way when the event comes.
+    mid_way = event in ("pause", "slow", "kill9", "restart", "deleted")
+    server = 'stall_timeout = "2s"\n' + ("zero_copy_maps = 2\n" if mid_way else "")
     return make_daemon(body, name=tag, server=server, cache=cache)
 
 
