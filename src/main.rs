@@ -8,6 +8,7 @@ use shardd::protocol::Request;
 use tokio_util::sync::CancellationToken;
 
 use shardd::cmd::{check, index, plan_report, units, warm};
+use shardd::ops::error_line::one_line;
 use shardd::ops::malloc;
 
 #[derive(Parser)]
@@ -167,26 +168,10 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             // One line with the whole cause chain: what an operator reads in the journal.
-            eprintln!("shardd: error: {}", one_line(&e));
+            eprintln!("shardd: error: {}", one_line(e.as_ref()));
             std::process::ExitCode::FAILURE
         }
     }
-}
-
-/// An error and its causes on one line, each cause once: a cause an error's message already
-/// holds (a thiserror `{source}`) is not repeated.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !line.contains(&text) {
-            if !line.is_empty() {
-                line.push_str(": ");
-            }
-            line.push_str(&text);
-        }
-    }
-    line
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {

@@ -12,6 +12,7 @@ use futures::StreamExt;
 use crate::cmd::plan_report;
 use crate::config::url::{Location, ShardUrl};
 use crate::config::{Config, Dataset};
+use crate::ops::error_line::one_line;
 use crate::ops::progress;
 use crate::store::Stores;
 
@@ -60,7 +61,7 @@ pub async fn run(path: &Path, reach_stores: bool) -> anyhow::Result<()> {
             // What stops `serve` (a manifest it cannot read, or that names other shards)
             // fails `check` too.
             Err(e) => {
-                println!("error: {e:#}");
+                println!("error: {}", one_line(e.as_ref()));
                 refused += 1;
             }
         }

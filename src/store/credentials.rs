@@ -103,16 +103,10 @@ fn naming_the_metadata_servers(cause: String) -> String {
 }
 
 /// An error and its causes on one line (object_store's own message leaves out the cause
-/// that matters, e.g. "connection refused").
-pub(super) fn one_line(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let next = s.to_string();
-        if !text.contains(&next) {
-            text = format!("{text}: {next}");
-        }
-        source = s.source();
-    }
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
+/// that matters, e.g. "connection refused"), its whitespace runs made single spaces.
+pub(super) fn one_line(e: &(dyn std::error::Error + 'static)) -> String {
+    crate::ops::error_line::one_line(e)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
 }

@@ -161,13 +161,9 @@ def test_plan_without_a_manifest_counts_shards(tmp_path):
     assert r["summary"]["total_samples"] is None and r["summary"]["bytes"] is None
 
 
-def test_plan_verify_certifies_a_resize_and_refuses_a_bad_checkpoint(tmp_path):
-    """`shardd plan --verify` on a real manifest (10 shards of 7 to 16 samples): resizes
-    2→4 and 4→2 hosts from mid-epoch positions are certified (every sample the old streams
-    had not delivered read once, a drop under the new world size, equal ranks); a checkpoint
-    past the old streams' end is refused with the reason and a non-zero exit."""
-    import json
-
+def uneven_dataset(tmp_path):
+    """10 shards of 7 to 16 samples (webdataset's TarWriter) and their manifest: (pattern,
+    manifest path)."""
     import webdataset as wds
 
     shards = tmp_path / "shards"
@@ -178,9 +174,20 @@ def test_plan_verify_certifies_a_resize_and_refuses_a_bad_checkpoint(tmp_path):
                 sink.write({"__key__": f"s{i:02d}{j:03d}", "cls": b"1"})
     pattern = str(shards / "train-{00..09}.tar")
     manifest = tmp_path / "train.manifest.json"
-    out = subprocess.run([SHARDD, "index", pattern, "-o", str(manifest)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([SHARDD, "index", pattern, "-o", str(manifest)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
+    return pattern, manifest
+
+
+def test_plan_verify_certifies_a_resize_and_refuses_a_bad_checkpoint(tmp_path):
+    """`shardd plan --verify` on a real manifest (10 shards of 7 to 16 samples): resizes
+    2→4 and 4→2 hosts from mid-epoch positions are certified (every sample the old streams
+    had not delivered read once, a drop under the new world size, equal ranks); a checkpoint
+    past the old streams' end is refused with the reason and a non-zero exit."""
+    import json
+
+    pattern, manifest = uneven_dataset(tmp_path)
     config = tmp_path / "c.toml"
     config.write_text(f'[datasets.train]\nshards = "{pattern}"\nmanifest = "{manifest}"\n'
                       "shuffle_buffer = 5\n")
@@ -335,9 +342,11 @@ def test_check_offline_refuses_what_stops_serve(tmp_path, train_paths, case):
     assert serve_code == 1 and said in serve_out, serve_out
     assert check_code == 1 and said in check_out, check_out
     assert "problems would stop `shardd serve`" in check_out, check_out
-    # Both name the key to change.
+    # Both name the key to change, and say each cause once.
     assert hint in serve_out, serve_out
     assert hint in check_out, check_out
+    if case == "manifest of other shards":
+        assert check_out.count("does not match the configured shards") == 1, check_out
 
 
 def test_check_offline_finds_a_local_datasets_missing_shards(tmp_path, train_paths):
@@ -388,17 +397,8 @@ def test_a_resize_plan_verify_certifies_reads_so_on_real_daemons(make_daemon, tm
 
     import webdataset as wds
 
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for i in range(10):
-        with wds.TarWriter(str(shards / f"train-{i:02d}.tar")) as sink:
-            for j in range(7 + i):
-                sink.write({"__key__": f"s{i:02d}{j:03d}", "cls": b"1"})
-    every = {s["__key__"] for s in wds.WebDataset(str(shards / "train-{00..09}.tar"), shardshuffle=False)}
-    pattern = str(shards / "train-{00..09}.tar")
-    manifest = tmp_path / "train.manifest.json"
-    assert subprocess.run([SHARDD, "index", pattern, "-o", str(manifest)], capture_output=True,
-                          timeout=120).returncode == 0
+    pattern, manifest = uneven_dataset(tmp_path)
+    every = {s["__key__"] for s in wds.WebDataset(pattern, shardshuffle=False)}
     dataset = f'[datasets.train]\nshards = "{pattern}"\nmanifest = "{manifest}"\nshuffle_buffer = 5\n'
     (tmp_path / "c.toml").write_text(dataset)
     # 115 samples; the old job's epoch (4 streams of 28) drops 3 of them: its streams, read
