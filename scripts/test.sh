@@ -20,7 +20,7 @@ apt_install() {
 }
 
 echo "== system packages"
-apt_install prometheus systemd zstd curl   # promtool checks /metrics; systemd-analyze checks deploy/systemd; zstd and pzstd write the zstd test shards; curl is the blog experiment's pipe: (test_bench_smoke)
+apt_install prometheus systemd zstd curl iproute2   # promtool checks /metrics and prometheus scrapes the pod; systemd-analyze checks deploy/systemd; zstd and pzstd write the zstd test shards; curl is the blog experiment's pipe: (test_bench_smoke) and the start-up script's; ip makes the pod's network namespaces (tests/pod)
 
 echo "== python venv"
 # torch and torch_xla first, without their dependencies (tests/requirements-torch.txt lists
@@ -54,3 +54,8 @@ fi
 
 echo "== python tests"
 SHARDD_BIN="$PWD/target/debug/shardd" SHARDD_WHEEL="$wheel" .venv/bin/python -m pytest tests/python -q
+
+echo "== pod tests"
+# 8 hosts in their own network namespaces, booted from the wheel (tests/pod/pod.py); they
+# skip, saying why, where namespaces cannot be made (not root).
+SHARDD_BIN="$PWD/target/debug/shardd" SHARDD_WHEEL="$wheel" .venv/bin/python -m pytest tests/pod -q -rs

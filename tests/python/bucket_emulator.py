@@ -35,6 +35,16 @@ what each was answered. Options (fixed for the emulator's life, but for the requ
     not ready to send).
   - ``latency``: seconds added before the first byte of each response relayed from the store
     (after its head arrived from fake-gcs-server). 429s, 503s and control answers come at once.
+  - ``host_rate``: response body bytes/s per host, as ``{host: rate}`` (a host's link: all its
+    connections share it, before the shared egress); hosts not named are unlimited.
+  - ``listen`` and ``peers``: by default each host has its own port on 127.0.0.1. With
+    ``peers`` (one address per host), there is one port on ``listen``, and a connection's
+    host is the one whose address it comes from (a pod's hosts in their own network
+    namespaces, all with the same config); a connection from any other address is closed.
+  - ``token_secret``: the bucket checks credentials. A request needs ``Authorization: Bearer``
+    with a token ``make_token(token_secret, ...)`` made that has not expired (a pod's metadata
+    servers make them); any other is answered ``401`` with GCS's JSON error (reason
+    ``authError``), counted as ``unauthorized``.
 
 Outages (``outage(kind)``, ``outage_for(kind, seconds)``, ``outage(None)`` to end one):
 
@@ -45,7 +55,9 @@ Outages (``outage(kind)``, ``outage_for(kind, seconds)``, ``outage(None)`` to en
     connection it holds is closed, so a frozen response is cut short: a client sees its
     request fail, as after a network blackhole, and must retry on a new connection.
 
-Requests pass through unchanged except for the Host header, rewritten to the upstream's
+Requests pass through unchanged except for XML API uploads (``PUT /bucket/object``, which
+fake-gcs-server does not take: sent on as JSON API media uploads and answered as GCS answers
+the PUT, with the object's ETag and generation), and the Host header, rewritten to the upstream's
 ``127.0.0.1:PORT``: fake-gcs-server answers path-style GETs (``/bkt/name``) only for its
 ``-public-host``. Object names arrive percent-encoded (``/storage/v1/b/bkt/o/train%2Fx.tar``)
 and are decoded to name them in counts and error messages.
@@ -60,11 +72,12 @@ reused buffer per connection -> socket, so its CPU cost stays near the kernel's 
 "rate_limit", "rate_burst", "egress", "conn_rate", "latency", "cpu_seconds"}``, where each
 host (and ``totals``) has ``requests`` (all counted ones), ``methods`` and ``statuses`` (counts
 by method and by answered status), ``ok`` (2xx), ``throttled`` (429), ``unavailable`` (503),
-``hung`` (requests a hang outage held, unanswered or frozen mid-response), ``ranged``
+``unauthorized`` (401), ``hung`` (requests a hang outage held, unanswered or frozen mid-response), ``ranged``
 (requests with a Range header), ``bytes`` (response body bytes relayed from the store),
 ``connections``, and ``first_request_at`` / ``last_request_at`` (Unix times, None before the
 first); a host also has its ``port``. ``stats(objects=True)`` adds ``objects``: requests by
-decoded ``bucket/object`` name.
+decoded ``bucket/object`` name, and ``gets``: the GETs among them (downloads and metadata
+reads, not HEADs).
 
 As a process (``python bucket_emulator.py --upstream-port P --hosts N [--rate-limit R]
 [--egress BPS] [--conn-rate BPS] [--latency S]``) it prints one JSON line
@@ -78,6 +91,8 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import hashlib
+import hmac
 import json
 import re
 import signal
@@ -235,6 +250,16 @@ class Discard:
 DISCARD = Discard()
 
 
+class Collect:
+    """A destination that keeps a (small) body."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    async def send(self, data):
+        self.data += data
+
+
 async def relay_body(head, src, dst, buf, pace=None, count=None, fill=False):
     """Copies the body that follows ``head`` from ``src`` to ``dst`` through ``buf``; data
     pieces wait on ``pace(n)`` (if any) before going out and are reported to ``count`` (if
@@ -314,6 +339,31 @@ def response(status, reason, obj):
             % (status, reason.encode(), len(body), body))
 
 
+def make_token(secret, host, ttl, now=None):
+    """An access token for ``host`` that the bucket takes for ``ttl`` seconds: the host, its
+    expiry and an HMAC of both under ``secret`` (what a pod's metadata servers hand out)."""
+    expiry = int(((time.time() if now is None else now) + ttl) * 1000)
+    body = f"pod.{host}.{expiry}"
+    mac = hmac.new(secret.encode(), body.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{body}.{mac}"
+
+
+def token_error(secret, authorization, now=None):
+    """Why an ``Authorization`` header does not admit a request, or None if it does."""
+    if authorization is None:
+        return "no Authorization header"
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return f"not a bearer token: {scheme!r}"
+    body, _, mac = token.strip().rpartition(".")
+    want = hmac.new(secret.encode(), body.encode(), hashlib.sha256).hexdigest()[:32]
+    if not hmac.compare_digest(mac, want):
+        return "a token this bucket did not issue"
+    expiry = int(body.rsplit(".", 1)[1]) / 1000
+    late = (time.time() if now is None else now) - expiry
+    return f"the token expired {late:.3f} s ago" if late >= 0 else None
+
+
 def default_burst(rate_limit):
     """A tenth of a second's worth of requests, at least one: an idle bucket lets a short
     burst through, not a second's worth at once."""
@@ -328,6 +378,7 @@ class HostStats:
         self.methods = collections.Counter()
         self.statuses = collections.Counter()
         self.objects = collections.Counter()
+        self.gets = collections.Counter()
         self.hung = self.ranged = self.bytes = self.connections = 0
         self.first_request_at = self.last_request_at = None
 
@@ -337,6 +388,7 @@ class HostStats:
         self.ranged += request.get("range") is not None
         if name is not None:
             self.objects[name] += 1
+            self.gets[name] += method == "GET"
         if self.first_request_at is None:
             self.first_request_at = now
         self.last_request_at = now
@@ -348,10 +400,12 @@ class HostStats:
 def summarize(parts, objects):
     """The stats of one host, or of several added up."""
     methods, statuses, names = collections.Counter(), collections.Counter(), collections.Counter()
+    gets = collections.Counter()
     for p in parts:
         methods.update(p.methods)
         statuses.update(p.statuses)
         names.update(p.objects)
+        gets.update(p.gets)
     firsts = [p.first_request_at for p in parts if p.first_request_at is not None]
     lasts = [p.last_request_at for p in parts if p.last_request_at is not None]
     out = {
@@ -360,6 +414,7 @@ def summarize(parts, objects):
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "ok": sum(v for k, v in statuses.items() if 200 <= k < 300),
         "throttled": statuses[429],
+        "unauthorized": statuses[401],
         "unavailable": statuses[503],
         "hung": sum(p.hung for p in parts),
         "ranged": sum(p.ranged for p in parts),
@@ -370,6 +425,7 @@ def summarize(parts, objects):
     }
     if objects:
         out["objects"] = dict(sorted(names.items()))
+        out["gets"] = {k: v for k, v in sorted(gets.items()) if v}
     return out
 
 
@@ -378,8 +434,13 @@ class BucketEmulator:
     (host i's is ``endpoint(i)``); the options are the module docstring's."""
 
     def __init__(self, upstream_port, hosts=1, *, rate_limit=None, rate_burst=None, egress=None,
-                 conn_rate=None, latency=0.0, burst_bytes=CHUNK, upstream_host="127.0.0.1"):
+                 conn_rate=None, latency=0.0, burst_bytes=CHUNK, upstream_host="127.0.0.1",
+                 host_rate=None, listen="127.0.0.1", peers=None, token_secret=None):
+        if peers is not None and len(peers) != hosts:
+            raise ValueError(f"{len(peers)} peer addresses for {hosts} hosts")
         self.upstream = (upstream_host, upstream_port)
+        self.listen, self.peers, self.token_secret = listen, peers, token_secret
+        self._host_rates = {h: TokenBucket(r, burst_bytes) for h, r in (host_rate or {}).items()}
         self.host_header = f"{upstream_host}:{upstream_port}"
         self.hosts = hosts
         self.conn_rate, self.burst_bytes, self.latency = conn_rate, burst_bytes, latency
@@ -434,7 +495,7 @@ class BucketEmulator:
         return [s.port for s in self._stats]
 
     def endpoint(self, host):
-        return f"http://127.0.0.1:{self._stats[host].port}"
+        return f"http://{self.listen}:{self._stats[host].port}"
 
     @property
     def endpoints(self):
@@ -463,6 +524,16 @@ class BucketEmulator:
         """The bucket-wide request rate from now on (None: unlimited); ``burst`` defaults as
         the constructor's ``rate_burst`` does."""
         self._on_loop(self._requests.set_rate, limit, burst or default_burst(limit))
+
+    def set_egress(self, rate):
+        """The shared egress from now on, body bytes/s (None: unlimited)."""
+        self._on_loop(self._egress.set_rate, rate, self.burst_bytes)
+
+    def set_host_rate(self, host, rate):
+        """Host ``host``'s link from now on, body bytes/s (None: unlimited)."""
+        def set_rate():
+            self._host_rates[host] = TokenBucket(rate, self.burst_bytes)
+        self._on_loop(set_rate)
 
     def _on_loop(self, fn, *args):
         """Runs ``fn`` on the event loop's thread (the one that writes the state it reads)."""
@@ -511,10 +582,11 @@ class BucketEmulator:
         self._thaw = asyncio.Event()
         listeners = []
         try:
-            for _ in range(self.hosts):
-                listeners.append(socket.create_server(("127.0.0.1", 0), backlog=1024))
+            for _ in range(self.hosts if self.peers is None else 1):
+                listeners.append(socket.create_server((self.listen, 0), backlog=1024))
                 listeners[-1].setblocking(False)
-            self._stats = [HostStats(s.getsockname()[1]) for s in listeners]
+            ports = [s.getsockname()[1] for s in listeners]
+            self._stats = [HostStats(ports[i if self.peers is None else 0]) for i in range(self.hosts)]
             ready()
             await asyncio.gather(*(self._accept(i, s) for i, s in enumerate(listeners)))
         finally:
@@ -528,8 +600,13 @@ class BucketEmulator:
     async def _accept(self, host, listener):
         loop = asyncio.get_running_loop()
         while True:
-            client, _ = await loop.sock_accept(listener)
-            task = loop.create_task(self._serve_client(self._stats[host], client))
+            client, peer = await loop.sock_accept(listener)
+            if self.peers is not None:
+                if peer[0] not in self.peers:
+                    client.close()  # not a host of this pod
+                    continue
+                host = self.peers.index(peer[0])
+            task = loop.create_task(self._serve_client(host, client))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -540,8 +617,13 @@ class BucketEmulator:
         await self._thaw.wait()
         raise ConnectionError("hang outage ended")
 
-    def _refusal(self, name):
+    def _refusal(self, name, request):
         """The answer to a request that the store turns away now, or None to serve it."""
+        if self.token_secret is not None:
+            why = token_error(self.token_secret, request.get("authorization"))
+            if why is not None:
+                message = f"Invalid Credentials: {why}"
+                return 401, response(401, "Unauthorized", gcs_error(401, "global", "authError", message))
         if self._outage == "503":
             message = "We encountered an internal error. Please try again."
             error = gcs_error(503, "global", "backendError", message)
@@ -554,7 +636,8 @@ class BucketEmulator:
             return 429, response(429, "Too Many Requests", error)
         return None
 
-    async def _serve_client(self, stats, client_sock):
+    async def _serve_client(self, host, client_sock):
+        stats = self._stats[host]
         stats.connections += 1
         client = Conn(client_sock)
         bucket = TokenBucket(self.conn_rate, self.burst_bytes)  # this connection's, across its requests
@@ -562,6 +645,9 @@ class BucketEmulator:
 
         async def pace(n):
             if (wait := bucket.delay(n)) > 0:
+                await asyncio.sleep(wait)
+            link = self._host_rates.get(host)  # this host's link, as it is now
+            if link is not None and (wait := link.delay(n)) > 0:
                 await asyncio.sleep(wait)
             if (wait := self._egress.delay(n)) > 0:
                 await asyncio.sleep(wait)
@@ -588,7 +674,7 @@ class BucketEmulator:
                 stats.count(method, request, name)
                 if self._outage == "hang":
                     await self._hang(stats)
-                refusal = self._refusal(name)
+                refusal = self._refusal(name, request)
                 if refusal is not None:
                     status, answer = refusal
                     await relay_body(request, client, DISCARD, buf)
@@ -598,6 +684,14 @@ class BucketEmulator:
                         return
                     continue
 
+                xml_put = method == "PUT" and name is not None and not target.startswith("/storage/")
+                if xml_put:
+                    # An XML API upload (object_store's put, path-style), which fake-gcs-server
+                    # does not take: sent on as the JSON API's media upload, answered below as
+                    # GCS answers the XML PUT.
+                    bucket, _, obj = name.partition("/")
+                    request.start = (f"POST /upload/storage/v1/b/{bucket}/o?uploadType=media&name="
+                                     f"{urllib.parse.quote(obj, safe='')} HTTP/1.1")
                 request.headers = [(k, v) for k, v in request.headers if k.lower() != "host"]
                 request.headers.insert(0, ("Host", self.host_header))
                 bodiless = request.get("content-length") is None and request.get("transfer-encoding") is None
@@ -625,6 +719,16 @@ class BucketEmulator:
                     await self._hang(stats)
                 status = int(answer.start.split(" ")[1])
                 stats.statuses[status] += 1
+                if xml_put and 200 <= status < 300:
+                    created = Collect()
+                    await relay_body(answer, upstream, created, buf)
+                    meta = json.loads(created.data)
+                    await client.send(
+                        f'HTTP/1.1 200 OK\r\nETag: "{meta["etag"]}"\r\nx-goog-generation: '
+                        f'{meta["generation"]}\r\nContent-Length: 0\r\n\r\n'.encode())
+                    if not keep_alive:
+                        return
+                    continue
                 await client.send(answer.encode())
                 no_body = method == "HEAD" or status in (204, 304) or 100 <= status < 200
                 to_eof = not no_body and await relay_body(

@@ -273,3 +273,51 @@ def test_cli_is_driven_over_http(fake_gcs, train_paths):
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_hosts_told_apart_by_address_on_one_port(bucket_emulator, train_paths):
+    """``peers``: one port for the pod, each host known by its address (here 127.0.0.2 and
+    127.0.0.3, both loopback); a connection from an address not in the pod is closed."""
+    emu = bucket_emulator(hosts=2, peers=["127.0.0.2", "127.0.0.3"])
+    assert emu.endpoint(0) == emu.endpoint(1)
+    host, port = emu.endpoint(0).rsplit("/", 1)[1].split(":")
+    name = f"train/{train_paths[0].name}"
+    for source, times in (("127.0.0.3", 2), ("127.0.0.2", 1)):
+        for _ in range(times):
+            conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
+            status, _, body = request(conn, media(name))
+            conn.close()
+            assert status == 200 and body == train_paths[0].read_bytes()
+    stranger = http.client.HTTPConnection(host, int(port), timeout=10)  # from 127.0.0.1
+    with pytest.raises((ConnectionError, http.client.RemoteDisconnected)):
+        request(stranger, media(name))
+    stats = emu.stats(objects=True)
+    assert [h["requests"] for h in stats["hosts"]] == [1, 2]
+    assert [h["bytes"] for h in stats["hosts"]] == [train_paths[0].stat().st_size * n for n in (1, 2)]
+
+
+def test_tokens_admit_until_they_expire(bucket_emulator, train_paths):
+    """``token_secret``: a token make_token made admits a request until it expires; an expired
+    one, one made with another secret, a missing header: 401 with GCS's authError."""
+    from bucket_emulator import make_token
+
+    emu = bucket_emulator(hosts=1, token_secret="s3cret")
+    name = f"train/{train_paths[0].name}"
+
+    def status(authorization):
+        headers = {} if authorization is None else {"Authorization": authorization}
+        code, _, body = fetch(emu.endpoint(0), media(name), headers)
+        return code, body
+
+    code, body = status(f"Bearer {make_token('s3cret', 0, 60)}")
+    assert code == 200 and body == train_paths[0].read_bytes()
+    for authorization, why in [
+        (f"Bearer {make_token('s3cret', 0, -1)}", "the token expired 1."),
+        (f"Bearer {make_token('other', 0, 60)}", "a token this bucket did not issue"),
+        (None, "no Authorization header"),
+    ]:
+        code, body = status(authorization)
+        error = json.loads(body)["error"]
+        assert code == 401 and error["errors"][0]["reason"] == "authError", body
+        assert error["message"].startswith(f"Invalid Credentials: {why}"), error["message"]
+    assert emu.stats()["totals"]["unauthorized"] == 3
