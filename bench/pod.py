@@ -12,6 +12,7 @@ machine's, not a pod's: compare hosts with each other and bytes with the bounds.
 import argparse
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -37,8 +38,9 @@ def main():
            "-p", "no:cacheprovider"] + (["-k", args.k] if args.k else [])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
-        if line.startswith(SHOWN) or line.lstrip().startswith(("E ", ">")):
-            print(line, end="", flush=True)
+        text = line.lstrip(".FEs")  # pytest's progress marks run into -s output
+        if text.startswith(SHOWN) or line.startswith(("E ", ">")) or re.match(r"\d+ (passed|failed)", text):
+            print(text, end="", flush=True)
     sys.exit(proc.wait())
 
 
