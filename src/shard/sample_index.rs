@@ -365,6 +365,68 @@ mod tests {
         assert_eq!(none.bytes(), 0);
     }
 
+    /// Reading from an index makes it the most recently used, and each index kept is newer
+    /// than those kept before: the budget drops the least recently used, never a tie.
+    #[test]
+    fn reads_and_keeps_advance_the_recency() {
+        let data = shard();
+        let url: Arc<str> = Arc::from("file:///s.tar");
+        let indexes = SampleIndexes::new(1 << 20, &Metrics::new());
+        let used = |id: u64| indexes.state.lock().unwrap().indexes[&id].1;
+        indexes.samples(1, &data, &url, 0, None).unwrap();
+        indexes.samples(2, &data, &url, 0, None).unwrap();
+        assert!(used(1) < used(2), "{} {}", used(1), used(2));
+        indexes.samples(1, &data, &url, 0, Some(1)).unwrap();
+        assert!(used(2) < used(1), "{} {}", used(2), used(1));
+    }
+
+    /// Two streams that parse the same shard at once both keep its index: counted once.
+    #[test]
+    fn an_index_kept_twice_is_counted_once() {
+        let data = shard();
+        let parsed = shard::parse(&data, &Arc::from("file:///s.tar")).unwrap();
+        let index = || ShardIndex::of(&data, &parsed).unwrap();
+        let one = index().size();
+        let indexes = SampleIndexes::new(1 << 20, &Metrics::new());
+        indexes.keep(7, index());
+        indexes.keep(7, index());
+        assert_eq!(indexes.bytes(), one);
+        assert_eq!(indexes.bytes_gauge.get(), one as i64);
+    }
+
+    /// What the budget counts: 12 bytes per sample and 16 per field, each distinct field
+    /// name with 16 bytes of overhead, and the copied keys and small fields.
+    #[test]
+    fn size_counts_spans_names_and_own_bytes() {
+        let data = shard();
+        let parsed = shard::parse(&data, &Arc::from("file:///s.tar")).unwrap();
+        let index = ShardIndex::of(&data, &parsed).unwrap();
+        assert_eq!((index.samples.len(), index.fields.len()), (4, 6));
+        let names: usize = ["txt", "cls", "seg.png", "json"]
+            .iter()
+            .map(|n| n.len() + 16)
+            .sum();
+        assert_eq!(
+            index.size(),
+            std::mem::size_of::<ShardIndex>() + 4 * 12 + 6 * 16 + names + index.own.len()
+        );
+    }
+
+    /// A field that is not a slice of the shard's bytes cannot be described by offsets into
+    /// them: no index (`shard::parse` never makes one, but reading past `data` would panic).
+    #[test]
+    fn fields_outside_the_shard_are_not_indexed() {
+        let whole = ShardBytes::heap(vec![1u8; 1000].into());
+        let data = whole.slice(..500);
+        let sample = |range: Range<usize>| Sample {
+            key: Key::from("k"),
+            url: Arc::from("u"),
+            fields: vec![(Arc::from("bin"), whole.slice(range))],
+        };
+        assert!(ShardIndex::of(&data, &[sample(300..500)]).is_some());
+        assert!(ShardIndex::of(&data, &[sample(400..600)]).is_none());
+    }
+
     #[test]
     fn a_corrupt_shard_is_an_error_each_time_and_never_indexed() {
         let mut bytes = shard().to_vec();

@@ -63,6 +63,26 @@ fn keys_borrow_the_shard_bytes() {
     assert!(!inside(&odd[0].key));
 }
 
+/// A key equals exactly its own text, however the text is held (`str`, `String`, `&str`).
+#[test]
+fn keys_compare_by_their_text() {
+    let key = Key::from("a1");
+    for (text, equal) in [
+        ("a1", true),
+        ("a2", false),
+        ("a", false),
+        ("a1 ", false),
+        ("", false),
+    ] {
+        let owned: String = text.into();
+        assert_eq!(
+            (key == *text, key == owned, key == text),
+            (equal, equal, equal),
+            "{text:?}"
+        );
+    }
+}
+
 #[test]
 fn split_name_matches_webdataset_regex() {
     // Expected values computed with webdataset.tariterators.base_plus_ext.
@@ -330,7 +350,16 @@ fn errors_name_the_shard() {
         let err = parse(&ShardBytes::heap(Bytes::from(data)), &url)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("truncated: member \"noext\""), "{size}: {err}");
+        // The bytes needed saturate at u64::MAX rather than wrap.
+        let needed = (512 + u128::from(size)).min(u128::from(u64::MAX));
+        assert_eq!(
+            err,
+            format!(
+                "gs://b/bad.tar: truncated: member \"noext\" needs bytes up to {needed}, \
+                 the shard has 1536"
+            ),
+            "{size}"
+        );
     }
     let mut b = tar::Builder::new(Vec::new());
     b.append_pax_extensions([("size", u64::MAX.to_string().as_bytes())])
