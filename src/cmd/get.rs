@@ -65,7 +65,9 @@ fn fetch(socket: &Path, url: &str, wait: Duration) -> anyhow::Result<Got> {
             Err(Failure::Away(e)) => {
                 if Instant::now() >= deadline {
                     return Err(e.context(format!(
-                        "the daemon at {} did not serve {url} within {wait:?}",
+                        "the daemon at {} did not serve {url} within {wait:?} (--wait); is \
+                         it running, and is that its server.socket? (--socket or \
+                         SHARDD_SOCKET name another)",
                         socket.display()
                     )));
                 }

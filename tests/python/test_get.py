@@ -127,7 +127,8 @@ def test_a_daemon_that_is_away_is_waited_for(make_daemon, fake_gcs, train_paths)
     out = subprocess.run([SHARDD, "get", "--socket", str(d.socket), "--wait", "0.5", url(2)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
-    assert f"the daemon at {d.socket} did not serve {url(2)} within 500ms" in out.stderr, out.stderr
+    assert (f"the daemon at {d.socket} did not serve {url(2)} within 500ms (--wait); is it running, "
+            "and is that its server.socket? (--socket or SHARDD_SOCKET name another)") in out.stderr, out.stderr
 
 
 def test_a_malformed_get_is_refused_and_the_daemon_serves_on(make_daemon, fake_gcs, train_paths):
