@@ -14,8 +14,13 @@ defect, the tests that failed: a defect no test fails is a survivor, and the scr
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+
+# A defect the tests cannot finish against (a stream that waits forever) is caught too: CI
+# would not end. Past this, the run is stopped and the defect reported as hanging the suite.
+SUITE_TIMEOUT = 1200
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLIENT = "clients/python/shardd"
@@ -63,9 +68,23 @@ def build():
 def run_tests():
     """The ids of the tests that failed."""
     env = {**os.environ, "SHARDD_BIN": str(ROOT / "target" / "debug" / "shardd"), "SHARDD_MATRIX": "covering"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *TESTS],
-                         cwd=ROOT, env=env, capture_output=True, text=True)
-    return sorted(set(re.findall(r"^FAILED (\S+)", out.stdout, re.M)))
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *TESTS],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=SUITE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest and the daemons it started
+        proc.communicate()
+        return [f"(the suite hung: not done after {SUITE_TIMEOUT} s)"]
+    return sorted(set(re.findall(r"^FAILED (\S+)", out, re.M)))
+
+
+def write(file, text):
+    """Replaces ``file``'s text at once (a rename), so an interrupt leaves the old or the new."""
+    tmp = file.with_name(file.name + ".planted")
+    tmp.write_text(text)
+    os.replace(tmp, file)
 
 
 def main(names):
@@ -77,14 +96,16 @@ def main(names):
         assert text.count(old) == 1, f"{name}: the text to replace is not in {path} once"
         rust = path.endswith(".rs")
         try:
-            file.write_text(text.replace(old, new))
+            write(file, text.replace(old, new))
             if rust:
                 build()
             failed = run_tests()
         finally:
-            file.write_text(text)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second ^C must not stop the restore
+            write(file, text)
             if rust:
                 build()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         print(f"{name}: {what}: {'caught by ' + str(len(failed)) + ' tests' if failed else 'SURVIVED'}", flush=True)
         for test in failed:
             print(f"    {test}", flush=True)

@@ -33,7 +33,7 @@ import urllib.request
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from conftest import ROOT, SHARDD, wait_for  # noqa: E402
+from conftest import ROOT, wait_for  # noqa: E402
 from test_startup import ACCOUNTS, STUB  # noqa: E402
 
 METADATA = "127.0.0.1:80"  # each host's own metadata server, on the host's own loopback

@@ -369,9 +369,10 @@ def test_resize_8_to_4_to_8_mid_epoch(pod, data, tmp_path):
     k2 = len(want4[0]) // 2
     assert {len(w) for w in want4.values()} == {verdict["counts"]["rank_min"]} == {verdict["counts"]["rank_max"]}
     before = pod.bucket.stats(objects=True)
+    started = time.monotonic()
     second = run_trainers(pod, epoch, RANKS * small, resume_from=origin, stop_after=k2)
     after = pod.bucket.stats(objects=True)
-    table(f"resized {HOSTS} -> {small}", pod, second, before, after, 0)
+    table(f"resized {HOSTS} -> {small}", pod, second, before, after, time.monotonic() - started)
     report_resize(f"{HOSTS} -> {small}", data, had, fetched(before, after), want4,
                   oracle(data, tmp_path, small, RANKS * small, epoch + 1, range(RANKS * small)))
     ends = [e for _, e in second.values()]
@@ -389,9 +390,10 @@ def test_resize_8_to_4_to_8_mid_epoch(pod, data, tmp_path):
     want8b = oracle(data, tmp_path, HOSTS, RANKS * HOSTS, epoch, range(RANKS * HOSTS), resume_from=origin2)
     assert {len(w) for w in want8b.values()} == {verdict2["counts"]["rank_min"]}
     before = pod.bucket.stats(objects=True)
+    started = time.monotonic()
     third = run_trainers(pod, epoch, resume_from=origin2)
     after = pod.bucket.stats(objects=True)
-    table(f"resized {small} -> {HOSTS}", pod, third, before, after, 0)
+    table(f"resized {small} -> {HOSTS}", pod, third, before, after, time.monotonic() - started)
     report_resize(f"{small} -> {HOSTS}", data, had, fetched(before, after), want8b,
                   oracle(data, tmp_path, HOSTS, RANKS * HOSTS, epoch + 1, range(RANKS * HOSTS)))
     assert {e["dropped"] for _, e in third.values()} == {verdict2["planned_dropped"]}
