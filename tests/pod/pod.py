@@ -134,7 +134,7 @@ class Host:
         self.spawn("metadata", [sys.executable, str(HERE / "metadata_server.py"), str(self.state),
                                 METADATA, self.pod.secret, str(self.index)],
                    wait_line="ready")
-        self.startup = self.run_startup_script()
+        self.run_startup_script()
         self.boot_seconds = time.monotonic() - started
         return self
 

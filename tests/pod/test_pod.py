@@ -143,6 +143,23 @@ def run_trainers(pod, epoch, world_size=None, **request):
     return collect(start_trainers(pod, epoch, world_size or RANKS * len(pod.hosts), **request))
 
 
+def timed_epoch(pod, epoch, objects=False):
+    """An epoch of every rank, with the bucket's stats around it: (read, before, after, took)."""
+    before = pod.bucket.stats(objects=objects)
+    started = time.monotonic()
+    read = run_trainers(pod, epoch)
+    took = time.monotonic() - started
+    return read, before, pod.bucket.stats(objects=objects), took
+
+
+def assert_exact(data, tmp_path, read, epoch):
+    """Each sample once, webdataset's bytes, in the orders single daemons give."""
+    world = RANKS * HOSTS
+    got = check_bytes(data, read)
+    assert max(got.values()) == 1
+    assert {r: keys(s) for r, (s, _) in read.items()} == oracle(data, tmp_path, HOSTS, world, epoch, range(world))
+
+
 def keys(samples):
     return [(url.rsplit("/", 1)[1], key) for url, key, _ in samples]
 
@@ -281,7 +298,7 @@ def test_tokens_that_expire_every_few_seconds(pod, data, tmp_path):
     """Each host's metadata server hands out tokens that the bucket takes for 2 s, through a
     cold epoch that the pod's egress stretches over several of them: no request is refused
     for its credentials, and every host renewed its token during the epoch."""
-    ttl, world = 2, RANKS * HOSTS
+    ttl = 2
     for h in pod.hosts:
         h.set_metadata(h.attributes, token_ttl=ttl)
     pod.restart(wipe=True)
@@ -289,11 +306,8 @@ def test_tokens_that_expire_every_few_seconds(pod, data, tmp_path):
     pod.bucket.set_egress(total / (4 * ttl))  # an epoch of about 4 token lifetimes
     try:
         issued = [h.tokens_issued() for h in pod.hosts]
-        before = pod.bucket.stats()
-        started = time.monotonic()
-        read = run_trainers(pod, epoch=2)
-        took = time.monotonic() - started
-        after = pod.bucket.stats()
+        epoch_start = time.time()
+        read, before, after, took = timed_epoch(pod, 2)
     finally:
         pod.bucket.set_egress(None)
         for h in pod.hosts:
@@ -303,13 +317,9 @@ def test_tokens_that_expire_every_few_seconds(pod, data, tmp_path):
     print(f"tokens handed out per host during the epoch: {renewed}")
     assert delta(before, after, "unauthorized") == 0, after["totals"]["statuses"]
     # Requests went on after the first tokens expired, and hosts asked for new ones.
-    epoch_start = time.time() - (time.monotonic() - started)
     assert after["totals"]["last_request_at"] - epoch_start > ttl, "no request after the first tokens expired"
     assert max(renewed) >= 2, renewed
-    got = check_bytes(data, read)
-    assert max(got.values()) == 1
-    want = oracle(data, tmp_path, HOSTS, world, 2, range(world))
-    assert {r: keys(s) for r, (s, _) in read.items()} == want
+    assert_exact(data, tmp_path, read, 2)
 
 
 def test_a_host_replaced_mid_epoch(pod, data, tmp_path):
@@ -467,17 +477,13 @@ def test_a_straggler_host(pod, data, tmp_path):
     """One host's link at a quarter of the others', through a cold epoch: the pod's epoch is
     exact; the table shows how long the pod waits for the straggler, and what the daemons'
     prefetch absorbed (the trainers' longest wait against their epoch)."""
-    world, slow, epoch = RANKS * HOSTS, HOSTS - 1, 5
+    slow, epoch = HOSTS - 1, 5
     link = sum(data["sizes"].values()) / HOSTS / 2  # a host's share in about 2 s
     pod.restart(wipe=True)
     for h in pod.hosts:
         pod.bucket.set_host_rate(h.index, link / 4 if h.index == slow else link)
     try:
-        before = pod.bucket.stats()
-        started = time.monotonic()
-        read = run_trainers(pod, epoch)
-        took = time.monotonic() - started
-        after = pod.bucket.stats()
+        read, before, after, took = timed_epoch(pod, epoch)
     finally:
         for h in pod.hosts:
             pod.bucket.set_host_rate(h.index, None)
@@ -487,9 +493,7 @@ def test_a_straggler_host(pod, data, tmp_path):
     straggler = max(e["seconds"] for r, (_, e) in read.items() if r // RANKS == slow)
     print(f"straggler: the pod waits {straggler - times[len(times) // 2]:.2f} s for host {slow} "
           f"(its epoch {straggler:.2f} s, the others' median {times[len(times) // 2]:.2f} s)")
-    got = check_bytes(data, read)
-    assert max(got.values()) == 1
-    assert {r: keys(s) for r, (s, _) in read.items()} == oracle(data, tmp_path, HOSTS, world, epoch, range(world))
+    assert_exact(data, tmp_path, read, epoch)
 
 
 def test_split_index_over_the_pod(pod, data):
@@ -543,7 +547,7 @@ def test_gke_identity_one_config_for_every_host(pod, data, tmp_path):
     """The same pod with host.index = "from-clients" (GKE: one config for every node, no
     worker number in the metadata): each daemon learns its host from its first stream, and the
     epoch is the one fixed indices give."""
-    world, epoch = RANKS * HOSTS, 6
+    epoch = 6
     config = CONFIG + f'[host]\nindex = "from-clients"\ncount = {HOSTS}\n'
     try:
         for h in pod.hosts:
@@ -551,7 +555,7 @@ def test_gke_identity_one_config_for_every_host(pod, data, tmp_path):
             del attributes["agent-worker-number"]
             h.set_metadata(attributes)
             h.stop_daemon()
-            h.startup = h.run_startup_script()
+            h.run_startup_script()
         pod.restart(wipe=True)
         read = run_trainers(pod, epoch)
         assert [h.metric("shardd_host_index") for h in pod.hosts] == list(range(HOSTS))
@@ -559,34 +563,30 @@ def test_gke_identity_one_config_for_every_host(pod, data, tmp_path):
         for h in pod.hosts:
             h.set_metadata(pod.attributes(h.index, HOSTS))
             h.stop_daemon()
-            h.startup = h.run_startup_script()
+            h.run_startup_script()
         pod.restart()
-    got = check_bytes(data, read)
-    assert max(got.values()) == 1
-    assert {r: keys(s) for r, (s, _) in read.items()} == oracle(data, tmp_path, HOSTS, world, epoch, range(world))
+    assert_exact(data, tmp_path, read, epoch)
 
 
 def test_prometheus_sees_the_pod_and_the_throttling(pod, data, tmp_path):
     """One Prometheus scrapes every host across the namespaces with the shipped rules: the
     pod's series (the slowest host's stall, store bytes per host) are there, and a cold epoch
-    against a bucket at a fraction of the pod's request rate puts ShardStoreThrottled in
-    pending (its `for:` is 10 minutes) while the epoch stays exact."""
-    world, epoch = RANKS * HOSTS, 7
+    against a bucket at a fraction of the pod's request rate, answering 503 for its first
+    2 s, puts ShardStoreThrottled in pending (its `for:` is 10 minutes) while the epoch stays
+    exact: the trainers wait through both."""
+    epoch = 7
     prometheus = Prometheus(tmp_path, [f"{h.address}:{podlib.METRICS_PORT}" for h in pod.hosts])
     try:
         wait_for(lambda: len(prometheus.query('up{job="shardd"} == 1')) == HOSTS, "every host scraped", 60)
         pod.restart(wipe=True)
         pod.bucket.set_rate_limit(SHARDS / 8)  # the cold epoch's requests over about 8 s
+        pod.bucket.outage_for("503", 2)  # and a bucket away as the epoch starts
         try:
-            before = pod.bucket.stats()
-            started = time.monotonic()
-            read = run_trainers(pod, epoch)
-            took = time.monotonic() - started
-            after = pod.bucket.stats()
+            read, before, after, took = timed_epoch(pod, epoch)
         finally:
             pod.bucket.set_rate_limit(None)
-        table(f"a bucket at {SHARDS / 8:g} requests/s", pod, read, before, after, took)
-        assert delta(before, after, "throttled") > 0
+        table(f"a bucket at {SHARDS / 8:g} requests/s, 503 for its first 2 s", pod, read, before, after, took)
+        assert delta(before, after, "throttled") > 0 and delta(before, after, "unavailable") > 0
         alerts = wait_for(lambda: [a for a in prometheus.get("/api/v1/alerts")["alerts"]
                                    if a["labels"]["alertname"] == "ShardStoreThrottled"],
                           "ShardStoreThrottled pending", 60)
@@ -601,9 +601,7 @@ def test_prometheus_sees_the_pod_and_the_throttling(pod, data, tmp_path):
         assert len(per_host) == HOSTS
     finally:
         prometheus.stop()
-    got = check_bytes(data, read)
-    assert max(got.values()) == 1
-    assert {r: keys(s) for r, (s, _) in read.items()} == oracle(data, tmp_path, HOSTS, world, epoch, range(world))
+    assert_exact(data, tmp_path, read, epoch)
 
 
 class Prometheus:
