@@ -41,7 +41,10 @@ METRICS_PORT = 9464
 
 
 def ip(*args, check=True):
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+    out = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: exit {out.returncode}: {out.stderr.strip()}")
+    return out
 
 
 def namespaces_unavailable():
@@ -80,8 +83,8 @@ class Network:
 
     def attach(self, i):
         """Host i's namespace, its veth on the bridge and its address; no default route."""
-        ns, veth = self.namespace(i), f"sp{self.tag}v{i}"
-        ip("netns", "del", ns, check=False)
+        ns, veth = self.namespace(i), self.veth(i)
+        self.detach(i)  # what a run that died left
         ip("netns", "add", ns)
         ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         ip("link", "set", veth, "master", self.bridge, "up")
@@ -90,8 +93,14 @@ class Network:
         ip("-n", ns, "link", "set", "lo", "up")
         return ns
 
+    def veth(self, i):
+        return f"sp{self.tag}v{i}"
+
     def detach(self, i):
-        ip("netns", "del", self.namespace(i), check=False)  # takes its veth pair with it
+        # The veth pair first, at once: deleting the namespace frees its end only later, in
+        # the kernel's own time, and a host booted again with this index needs the name.
+        ip("link", "del", self.veth(i), check=False)
+        ip("netns", "del", self.namespace(i), check=False)
 
     def close(self):
         ip("link", "del", self.bridge, check=False)

@@ -429,7 +429,8 @@ def verify(host, tmp_path, origin, hosts):
         str(host.root / "opt/shardd/bin/shardd"), "plan", "--config", str(host.root / "etc/shardd/config.toml"),
         "--dataset", "pod", "--seed", str(SEED), "--epoch", "4", "--verify", "--hosts", str(hosts),
         "--ranks", str(RANKS), "--workers", "1", "--resume-from", str(path), "--json"]),
-        env=host.environment(), capture_output=True, text=True, timeout=120)
+        # Each retry logged: a failure says what the store answered before it gave up.
+        env=host.environment(SHARDD_LOG="warn,shardd::store=debug"), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     v = json.loads(out.stdout)
     assert v["breaches"] == [], v["breaches"]
