@@ -16,6 +16,7 @@ use object_store::{ClientOptions, ObjectStore, RetryConfig};
 use super::http::Connector;
 use super::pacing::Pacer;
 use super::reported::Kind;
+use super::resign::Resigner;
 use crate::config::{Config, GcsSection, S3Section};
 use crate::ops::metrics::Metrics;
 
@@ -67,27 +68,31 @@ pub(super) fn bucket(
         .store_request_rate_limit
         .with_label_values(&[&label])
         .set(config.max_requests_per_second.unwrap_or(0.0));
-    let connector = |retry_timeout, most_retries| Connector {
+    let resign = Resigner::default();
+    let connector = |retry_timeout, most_retries, resign| Connector {
         kind,
         bucket: name.to_string(),
         label: label.clone(),
         pacer: pacer.clone(),
         retry_timeout,
         most_retries,
+        resign,
         metrics: metrics.clone(),
     };
     // The probe answers within store.credentials_timeout, after two retries at most, in the
     // credential source's own words (a refused connection, a 404).
     let (main, quick) = (
-        connector(config.retry_timeout, None),
+        connector(config.retry_timeout, None, resign.clone()),
         connector(
             config.retry_timeout.min(config.credentials_timeout),
             Some(2),
+            Resigner::default(), // it sends no bucket requests
         ),
     );
     let (store, probe): (Arc<dyn ObjectStore>, Probe) = if scheme == "gs" {
         let section = config.gcs.as_ref();
         let store = gcs(name, section, options.clone(), retry.clone(), main).build()?;
+        resign.set(store.credentials().clone());
         let probe = match section {
             Some(s) if s.anonymous => Probe::Nothing,
             _ => Probe::Gcs {

@@ -6,8 +6,9 @@
 //! burst of 429s spends in two seconds, and they would retry behind the pacer's back.
 //! Retrying here, below object_store, means every attempt takes a token from the host's
 //! rate, and object_store sees one answer: the first final one, or a [`GaveUp`] once the
-//! store has pushed back for `store.retry_timeout`. A body cut mid-way is resumed by the
-//! download (`download.rs`), under the same policy.
+//! store has pushed back for `store.retry_timeout`. A retry carries the bucket's current
+//! token, not the one the request was signed with (`resign.rs`). A body cut mid-way is
+//! resumed by the download (`download.rs`), under the same policy.
 //!
 //! Token requests (the metadata server, OAuth) go through this client too, since
 //! object_store builds its credential clients from the same connector: they are retried, but
@@ -25,6 +26,7 @@ use object_store::client::{
 use super::credentials::one_line;
 use super::pacing::{Pacer, Urgency};
 use super::reported::{Kind, Reported};
+use super::resign::Resigner;
 use super::retry::{GaveUp, Outcome, Retries};
 use crate::ops::metrics::Metrics;
 
@@ -41,6 +43,8 @@ pub(super) struct Connector {
     pub retry_timeout: Duration,
     /// At most this many retries too: the credentials probe's (`build.rs`).
     pub most_retries: Option<u32>,
+    /// Renews a retried request's token ([`super::resign`]).
+    pub resign: Resigner,
     pub metrics: Arc<Metrics>,
 }
 
@@ -81,7 +85,11 @@ impl HttpService for Client {
         if let Some(most) = c.most_retries {
             retries = retries.at_most(most);
         }
+        let mut request = request;
         loop {
+            if bucket && retries.failures() > 0 {
+                c.resign.refresh(&mut request).await;
+            }
             if bucket {
                 let paced = c.pacer.acquire(&urgency).await;
                 c.waited(&urgency, "paced", paced);

@@ -19,7 +19,8 @@
 //!
 //! A bucket shared by a pod pushes back (429, 503, silence): each request to it is paced by
 //! the host's adaptive rate ([`pacing`]) and retried for `store.retry_timeout` ([`retry`]),
-//! in the HTTP client under object_store (`http.rs`).
+//! in the HTTP client under object_store (`http.rs`), each retry with a token that is still
+//! good (`resign.rs`).
 
 mod build;
 mod credentials;
@@ -28,6 +29,7 @@ mod http;
 mod local;
 pub mod pacing;
 mod reported;
+mod resign;
 pub mod retry;
 mod verify;
 

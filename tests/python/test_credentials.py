@@ -40,10 +40,11 @@ SHARDS = f'"gs://{BUCKET}/train/train-{{000000..{TRAIN_SHARDS - 1:06d}}}.tar"'
 
 class Metadata:
     """A loopback stand-in for a metadata server: answers the token path with ``status``
-    (200 with a token that is always about to expire, so every ask fetches anew), and never
-    answers at all when ``status`` is None."""
+    (200 with a token that is always about to expire, so every ask fetches anew; ``token``,
+    if given, makes it: ``token() -> (access_token, expires_in)``), and never answers at all
+    when ``status`` is None."""
 
-    def __init__(self, status=200):
+    def __init__(self, status=200, token=lambda: ("t", 1)):
         self.status = status
         self.asked = 0
         outer = self
@@ -56,7 +57,9 @@ class Metadata:
                     return
                 body = b"{}"
                 if outer.status == 200:
-                    body = json.dumps({"access_token": "t", "expires_in": 1, "token_type": "Bearer"}).encode()
+                    access, expires_in = token()
+                    body = json.dumps({"access_token": access, "expires_in": expires_in,
+                                       "token_type": "Bearer"}).encode()
                 self.send_response(outer.status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

@@ -13,11 +13,14 @@ test first shows that its event landed while a stream was open.
 
 import re
 import threading
+import time
 
 import pytest
 import shardd
 
+from bucket_emulator import make_token
 from conftest import gcs_config, reference_samples, wait_for
+from test_credentials import Metadata, no_credentials_env
 
 HOSTS = 4
 
@@ -144,6 +147,34 @@ def test_an_outage_shorter_than_retry_timeout_is_invisible_to_the_trainers(make_
     for d in daemons:
         assert d.metric('shardd_store_wait_seconds_total{reason="backoff"}') > 0
         assert d.metric('shardd_store_errors_total{kind="pushback"}') == 0
+
+
+def test_an_outage_that_outlives_the_hosts_token_is_invisible_too(make_daemon, bucket_emulator, train_paths, tmp_path):
+    """The host's credentials are the metadata server's tokens, which the bucket takes for
+    2 s; the bucket is down (503) for longer. A retry carries a token that is still good, not
+    the one its request was signed with: when the bucket is back no request is refused for
+    its credentials, and the trainer reads its whole stream."""
+    ttl, secret = 2, "pushback-token"
+    emu = bucket_emulator(hosts=1, token_secret=secret)
+    metadata = Metadata(200, token=lambda: (make_token(secret, "0", ttl), ttl))
+    try:
+        body = gcs_config(emu.endpoint(0), extra='[store]\nretry_timeout = "60s"\n')
+        d = make_daemon(body.replace("anonymous = true\n", ""), env=no_credentials_env(tmp_path, metadata.address))
+        emu.outage("503")
+        began = time.monotonic()
+        trainers = Trainers([d])
+        # The outage lands, and outlives the token the stream's first request carried (every
+        # token handed out before the outage began has expired too).
+        wait_for(lambda: streams_open(d) and outcomes(d)["unavailable"] >= 2
+                 and time.monotonic() - began > ttl + 0.5, "the outage to outlive a token")
+        assert trainers.threads[0].is_alive(), trainers.errors
+        emu.outage(None)
+        trainers.join()
+        assert_every_sample_once(trainers, train_paths)
+        assert emu.stats()["totals"]["unauthorized"] == 0, emu.stats()["totals"]
+        assert outcomes(d)["error"] == 0
+    finally:
+        metadata.close()
 
 
 def test_a_store_that_never_answers_is_waited_out_too(make_daemon, bucket_emulator, train_paths):
