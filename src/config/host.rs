@@ -47,12 +47,14 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
     #[error(
-        "{key} = \"auto\": {var} is not set and the metadata server at {server} did not answer: {why}"
+        "{key} = \"auto\": {var} is not set and the metadata server at {server} ({server_from}) {why}"
     )]
     NotFound {
         key: &'static str,
         var: &'static str,
         server: String,
+        /// Where that address came from: `GCE_METADATA_HOST`, or the default.
+        server_from: &'static str,
         why: String,
     },
     #[error("{key} = \"auto\": {source_name} says {value:?}, which is not a number")]
@@ -78,17 +80,20 @@ pub async fn resolve(config: &mut Config) -> Result<(), HostError> {
         })?;
         config.host_auto.from_clients = false;
     }
+    let mut found = Vec::new(); // where each "auto" value came from, for the log
     if config.host_auto.index {
-        config.host.index = find(
+        let (index, from) = find(
             "host.index",
             "SHARDD_HOST_INDEX",
             "agent-worker-number",
             |text| text.trim().to_string(),
         )
         .await?;
+        config.host.index = index;
+        found.push(format!("index: {from}"));
     }
     if config.host_auto.count {
-        config.host.count = find(
+        let (count, from) = find(
             "host.count",
             "SHARDD_HOST_COUNT",
             "worker-network-endpoints",
@@ -100,6 +105,8 @@ pub async fn resolve(config: &mut Config) -> Result<(), HostError> {
             },
         )
         .await?;
+        config.host.count = count;
+        found.push(format!("count: {from}"));
     }
     config.host.check().map_err(HostError::Invalid)?;
     if config.host_auto.from_clients {
@@ -120,42 +127,67 @@ pub async fn resolve(config: &mut Config) -> Result<(), HostError> {
         tracing::info!(
             index = config.host.index,
             count = config.host.count,
+            from = found.join("; "),
             "found this host's place"
         );
     }
     Ok(())
 }
 
+/// The value, and where it came from (the variable, or the metadata server's attribute).
 async fn find(
     key: &'static str,
     var: &'static str,
     attribute: &str,
     read: impl Fn(&str) -> String,
-) -> Result<u32, HostError> {
+) -> Result<(u32, String), HostError> {
     let (source_name, value) = match std::env::var(var) {
         Ok(v) => (var.to_string(), v),
         Err(_) => {
-            let server = std::env::var("GCE_METADATA_HOST").unwrap_or_else(|_| METADATA.into());
+            let (server, server_from) = match std::env::var("GCE_METADATA_HOST") {
+                Ok(server) => (server, "GCE_METADATA_HOST"),
+                Err(_) => (METADATA.to_string(), "the default"),
+            };
             let text = metadata(&server, attribute)
                 .await
                 .map_err(|why| HostError::NotFound {
                     key,
                     var,
                     server: server.clone(),
+                    server_from,
                     why,
                 })?;
             (format!("the metadata server's {attribute}"), read(&text))
         }
     };
-    value.trim().parse().map_err(|_| HostError::NotANumber {
-        key,
-        source_name,
-        value,
-    })
+    match value.trim().parse() {
+        Ok(n) => Ok((n, source_name)),
+        Err(_) => Err(HostError::NotANumber {
+            key,
+            source_name,
+            value,
+        }),
+    }
 }
 
+/// The attribute's value, or what the server did instead, as the end of a sentence that
+/// starts with the server's address ("did not answer within 5s", "answered 404 Not Found
+/// for agent-worker-number").
 async fn metadata(server: &str, attribute: &str) -> Result<String, String> {
     let url = format!("http://{server}{ATTRIBUTES}/{attribute}");
+    let failed = |e: reqwest::Error| {
+        if e.is_timeout() {
+            format!("did not answer within {TIMEOUT:?}")
+        } else {
+            // The innermost cause ("Connection refused (os error 111)"): reqwest's outer
+            // ones repeat the URL and say only that sending failed.
+            let mut cause: &dyn std::error::Error = &e;
+            while let Some(inner) = cause.source() {
+                cause = inner;
+            }
+            format!("could not be reached: {cause}")
+        }
+    };
     let client = reqwest::Client::builder()
         .timeout(TIMEOUT)
         .build()
@@ -165,9 +197,12 @@ async fn metadata(server: &str, attribute: &str) -> Result<String, String> {
         .header("Metadata-Flavor", "Google")
         .send()
         .await
-        .map_err(|e| format!("{url}: {e}"))?;
+        .map_err(failed)?;
     if !response.status().is_success() {
-        return Err(format!("{url}: HTTP {}", response.status()));
+        return Err(format!(
+            "answered {} for {attribute} (is this a TPU VM?)",
+            response.status()
+        ));
     }
-    response.text().await.map_err(|e| format!("{url}: {e}"))
+    response.text().await.map_err(failed)
 }

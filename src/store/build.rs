@@ -7,6 +7,7 @@
 //! large); `store.connect_timeout` and `store.read_timeout` (the longest silence while
 //! reading a body) catch stalled connections instead.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use object_store::aws::{AmazonS3Builder, AwsCredentialProvider};
@@ -124,6 +125,28 @@ pub(super) fn bucket(
         probe,
         pacer,
     })
+}
+
+/// Whether `[gcs] credentials` names a service account key, in words a user can act on
+/// (object_store's own error says "Generic GCS error: GCP credential error: Unable to
+/// decode service account file", and never names the config key).
+pub(super) fn check_key(path: &Path) -> Result<(), String> {
+    let text = std::fs::read(path).map_err(|e| format!("cannot be read: {e}"))?;
+    let key: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| format!("is not a service account key (not JSON: {e})"))?;
+    let missing: Vec<&str> = ["client_email", "private_key", "private_key_id"]
+        .into_iter()
+        .filter(|field| !key.get(field).is_some_and(|v| v.is_string()))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let kind = key.get("type").and_then(|t| t.as_str()).unwrap_or("none");
+    Err(format!(
+        "is not a service account key: it has no {} (its type: {kind}; create one with \
+         `gcloud iam service-accounts keys create`)",
+        missing.join(", ")
+    ))
 }
 
 fn gcs(

@@ -34,7 +34,7 @@ pub mod retry;
 mod verify;
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -57,6 +57,13 @@ pub enum StoreError {
     Build {
         bucket: String,
         source: object_store::Error,
+    },
+    /// `[gcs] credentials` names a file that is not a service account key.
+    #[error("{bucket}: [gcs] credentials = {path:?} {why}")]
+    Key {
+        bucket: String,
+        path: PathBuf,
+        why: String,
     },
 }
 
@@ -166,6 +173,16 @@ impl Stores {
                 let key = (scheme, bucket.clone());
                 if buckets.contains_key(&key) {
                     continue;
+                }
+                if let (("gs", _), Some(path)) = (
+                    &key,
+                    config.gcs.as_ref().and_then(|g| g.credentials.as_ref()),
+                ) {
+                    build::check_key(path).map_err(|why| StoreError::Key {
+                        bucket: format!("{scheme}://{bucket}"),
+                        path: path.clone(),
+                        why,
+                    })?;
                 }
                 let built = build::bucket(scheme, bucket, config, &metrics).map_err(|source| {
                     StoreError::Build {

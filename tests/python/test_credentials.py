@@ -201,6 +201,30 @@ def test_every_command_that_reaches_the_store_fails_alike(tmp_path, command):
         assert_one_line(out.stderr, f"gs://{BUCKET}", GCS_HINT, "Connection refused")
 
 
+@pytest.mark.parametrize("key", ["missing", "not-json", "authorized-user"])
+def test_a_gcs_key_file_that_is_not_a_key_is_named_by_check_and_serve_alike(tmp_path, key):
+    """[gcs] credentials naming a file that is missing, not JSON, or gcloud's user
+    credentials: one line naming the store, the config key and the file, and what is wrong,
+    the same from `check` as from `serve`, before any request."""
+    path = tmp_path / "key.json"
+    if key == "not-json":
+        path.write_text("-----BEGIN PRIVATE KEY-----\n")
+    elif key == "authorized-user":
+        path.write_text(json.dumps({"type": "authorized_user", "client_id": "x", "refresh_token": "y"}))
+    why = {
+        "missing": "cannot be read: No such file or directory (os error 2)",
+        "not-json": "is not a service account key (not JSON: invalid number at line 1 column 2)",
+        "authorized-user": ("is not a service account key: it has no client_email, private_key, private_key_id (its "
+                            "type: authorized_user; create one with `gcloud iam service-accounts keys create`)"),
+    }[key]
+    config = write_config(tmp_path, f'[gcs]\ncredentials = "{path}"\n[datasets.train]\nshards = {SHARDS}\n')
+    env = no_credentials_env(tmp_path, closed_port())
+    for command in ("check", "serve"):
+        out, took = run([command, "--config", str(config)], env)
+        assert out.returncode == 1 and took < 30, (command, took, out.stderr)
+        assert out.stderr.splitlines()[-1] == f'shardd: error: gs://{BUCKET}: [gcs] credentials = "{path}" {why}', out.stderr
+
+
 def test_s3_without_credentials_fails_within_seconds(tmp_path):
     env = no_credentials_env(tmp_path, closed_port())
     config = write_config(tmp_path, '[s3]\nregion = "us-east-1"\n[datasets.train]\nshards = "s3://bkt3/train/a.tar"\n')

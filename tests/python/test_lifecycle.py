@@ -94,7 +94,9 @@ def test_host_auto_from_the_metadata_server(fake_gcs, tmp_path):
             with c.stream("train", epoch=0, rank=2, world_size=8) as stream:
                 assert stream.shards == 2
         out = stop(proc)
-        assert "found this host's place index=1 count=4" in out.replace("\x1b[3m", "").replace("\x1b[0m", "").replace("\x1b[2m", ""), out
+        plain = out.replace("\x1b[3m", "").replace("\x1b[0m", "").replace("\x1b[2m", "")
+        assert ("found this host's place index=1 count=4 from=\"index: the metadata server's agent-worker-number; "
+                "count: the metadata server's worker-network-endpoints\"") in plain, out
         assert len(meta.asked) == 2
     finally:
         meta.close()
@@ -121,8 +123,9 @@ def test_host_auto_with_nobody_to_ask_is_a_clear_error(fake_gcs, tmp_path):
     out = subprocess.run([SHARDD, "serve", "--config", str(config)], capture_output=True, text=True,
                          env={**no_host_env(), "GCE_METADATA_HOST": f"127.0.0.1:{port}"}, timeout=60)
     assert out.returncode == 1
-    assert (f'host.index = "auto": SHARDD_HOST_INDEX is not set and the metadata server at '
-            f"127.0.0.1:{port} did not answer") in out.stderr, out.stderr
+    assert out.stderr.endswith(
+        f'host.index = "auto": SHARDD_HOST_INDEX is not set and the metadata server at '
+        f"127.0.0.1:{port} (GCE_METADATA_HOST) could not be reached: Connection refused (os error 111)\n"), out.stderr
     bad = write_config(tmp_path, gcs_config(fake_gcs).split("\n", 3)[3], host='[host]\nindex = "first"')
     out = subprocess.run([SHARDD, "check", "--config", str(bad)], capture_output=True, text=True)
     assert out.returncode == 1 and 'host.index "first" is neither a number, "auto" nor "from-clients"' in out.stderr
