@@ -15,6 +15,7 @@ use object_store::gcp::{GcpCredentialProvider, GoogleCloudStorageBuilder};
 use object_store::{ClientOptions, ObjectStore, RetryConfig};
 
 use super::http::Connector;
+use super::notice::Notice;
 use super::pacing::Pacer;
 use super::reported::Kind;
 use super::resign::Resigner;
@@ -70,6 +71,7 @@ pub(super) fn bucket(
         .with_label_values(&[&label])
         .set(config.max_requests_per_second.unwrap_or(0.0));
     let resign = Resigner::default();
+    let notice = Arc::new(Notice::default());
     let connector = |retry_timeout, most_retries, resign| Connector {
         kind,
         bucket: name.to_string(),
@@ -78,6 +80,7 @@ pub(super) fn bucket(
         retry_timeout,
         most_retries,
         resign,
+        notice: notice.clone(),
         metrics: metrics.clone(),
     };
     // The probe answers within store.credentials_timeout, after two retries at most, in the

@@ -24,6 +24,7 @@ use object_store::client::{
 };
 
 use super::credentials::one_line;
+use super::notice::Notice;
 use super::pacing::{Pacer, Urgency};
 use super::reported::{Kind, Reported};
 use super::resign::Resigner;
@@ -45,6 +46,8 @@ pub(super) struct Connector {
     pub most_retries: Option<u32>,
     /// Renews a retried request's token ([`super::resign`]).
     pub resign: Resigner,
+    /// Warns that the bucket pushes back, now and then ([`super::notice`]).
+    pub notice: Arc<Notice>,
     pub metrics: Arc<Metrics>,
 }
 
@@ -144,6 +147,9 @@ impl HttpService for Client {
                 url = %request.uri(), cause, failures = retries.failures(), wait = ?wait,
                 "the store pushed back: retrying"
             );
+            if bucket {
+                c.notice.pushed_back(&c.label, &cause, c.retry_timeout);
+            }
             tokio::time::sleep(wait).await;
             c.waited(&urgency, "backoff", wait);
         }

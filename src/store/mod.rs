@@ -27,6 +27,7 @@ mod credentials;
 mod download;
 mod http;
 mod local;
+mod notice;
 pub mod pacing;
 mod reported;
 mod resign;

@@ -12,6 +12,7 @@ test first shows that its event landed while a stream was open.
 """
 
 import re
+import subprocess
 import threading
 import time
 
@@ -19,8 +20,8 @@ import pytest
 import shardd
 
 from bucket_emulator import make_token
-from conftest import gcs_config, reference_samples, wait_for
-from test_credentials import Metadata, no_credentials_env
+from conftest import BUCKET, SHARDD, TRAIN_SHARDS, gcs_config, reference_samples, wait_for
+from test_credentials import SHARDS, Metadata, no_credentials_env, write_config
 
 HOSTS = 4
 
@@ -175,6 +176,31 @@ def test_an_outage_that_outlives_the_hosts_token_is_invisible_too(make_daemon, b
         assert outcomes(d)["error"] == 0
     finally:
         metadata.close()
+
+
+def test_a_command_that_meets_pushback_says_so_at_once_and_waits_it_out(bucket_emulator, tmp_path):
+    """`shardd check` against a bucket that is down: a warning names the bucket and what it
+    answered within seconds (not silence for `store.retry_timeout`), and once the bucket is
+    back the check goes on and passes."""
+    emu = bucket_emulator(hosts=1)
+    config = write_config(tmp_path, f'[gcs]\nendpoint = "{emu.endpoint(0)}"\nanonymous = true\n'
+                                    f'[store]\nretry_timeout = "60s"\n[datasets.train]\nshards = {SHARDS}\n')
+    emu.outage("503")
+    log = tmp_path / "check.log"
+    with open(log, "w") as sink:
+        check = subprocess.Popen([SHARDD, "check", "--config", str(config)], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        line = wait_for(lambda: next((l for l in log.read_text().splitlines() if " WARN " in l), None),
+                        "the warning", timeout=10)
+        assert line.endswith(f"gs://{BUCKET} answered 503 Service Unavailable: retrying for up to "
+                             "store.retry_timeout = 60s"), line
+        assert check.poll() is None, log.read_text()
+        emu.outage(None)
+        assert check.wait(timeout=60) == 0, log.read_text()
+    finally:
+        check.kill()
+        check.wait()
+    assert f"dataset train: {TRAIN_SHARDS} shards" in log.read_text()
 
 
 def test_a_store_that_never_answers_is_waited_out_too(make_daemon, bucket_emulator, train_paths):
