@@ -62,11 +62,39 @@ pub struct HostSection {
 
 /// `index = 3`, or `index = "auto"`: found at start, or (index only) `"from-clients"`:
 /// learned from the first stream (see `host.rs`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum HostValue {
     Number(u32),
     Word(String),
+}
+
+/// By hand, not `#[serde(untagged)]`: its error for `index = -1` was "data did not match any
+/// variant of untagged enum HostValue"; this one says what is expected.
+impl<'de> Deserialize<'de> for HostValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = HostValue;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a whole number from 0, \"auto\" or \"from-clients\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<HostValue, E> {
+                u32::try_from(v)
+                    .map(HostValue::Number)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<HostValue, E> {
+                match u64::try_from(v) {
+                    Ok(v) => self.visit_u64(v),
+                    Err(_) => Err(E::invalid_value(serde::de::Unexpected::Signed(v), &self)),
+                }
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<HostValue, E> {
+                Ok(HostValue::Word(v.to_string()))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 impl Default for HostSection {

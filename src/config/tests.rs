@@ -111,6 +111,22 @@ fn bad_values_name_the_key() {
         ("[cache]\nblock_size = \"32KiB\"", "from 64KiB to 2MiB"),
         ("[cache]\nblock_size = \"4MiB\"", "from 64KiB to 2MiB"),
         ("[cache]\nblock_size = \"big\"", "cache.block_size"),
+        (
+            "[host]\nindex = -1",
+            "invalid value: integer `-1`, expected a whole number from 0, \"auto\" or \"from-clients\"",
+        ),
+        (
+            "[host]\ncount = 1.5",
+            "invalid type: floating point `1.5`, expected a whole number from 0",
+        ),
+        (
+            "[host]\ncount = 4294967296",
+            "invalid value: integer `4294967296`, expected a whole number",
+        ),
+        (
+            "[datasets.g]\nshards = \"gs:/bucket/x.tar\"",
+            "dataset \"g\": gs:/bucket/x.tar: a gs:// URL needs two slashes: did you mean \"gs://bucket/x.tar\"?",
+        ),
     ] {
         let text = format!("{MINIMAL}\n{extra}\n");
         let err = Config::parse(&text, Path::new("."))

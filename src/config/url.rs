@@ -25,6 +25,14 @@ pub enum UrlError {
     ObjectName { url: String, name: String },
     #[error("{url}: not a valid file:// URL")]
     FileUrl { url: String },
+    #[error(
+        "{url}: a {scheme}:// URL needs two slashes: did you mean {fixed:?}? (a local path that starts with \"{scheme}:\" is written \"./{url}\")"
+    )]
+    Slashes {
+        url: String,
+        scheme: String,
+        fixed: String,
+    },
 }
 
 /// One shard's location. `as_str()` is the URL trainers see as `__url__`, and the key the
@@ -70,6 +78,14 @@ impl ShardUrl {
                 });
             }
             None => {
+                // `gs:/b/x` is a typo, not a local directory named "gs:".
+                if let Some((scheme @ ("gs" | "s3" | "file"), rest)) = url.split_once(':') {
+                    return Err(UrlError::Slashes {
+                        url: url.into(),
+                        scheme: scheme.into(),
+                        fixed: format!("{scheme}://{}", rest.trim_start_matches('/')),
+                    });
+                }
                 let path = base_dir.join(url);
                 return Ok(ShardUrl {
                     url: path.to_string_lossy().into_owned(),
@@ -182,6 +198,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("unsupported scheme \"http\""), "{err}");
+        for (typo, fixed) in [
+            ("gs:/bkt/x.tar", "gs://bkt/x.tar"),
+            ("s3:bkt/x.tar", "s3://bkt/x.tar"),
+            ("file:/data/x.tar", "file://data/x.tar"),
+        ] {
+            let err = ShardUrl::parse(typo, base).unwrap_err().to_string();
+            assert!(err.contains(&format!("did you mean {fixed:?}?")), "{err}");
+        }
+        // Only those three: a local name with another colon is a path.
+        assert!(ShardUrl::parse("c:/x.tar", base).is_ok());
         assert!(matches!(
             ShardUrl::parse("gs:///y.tar", base),
             Err(UrlError::NoBucket { .. })
