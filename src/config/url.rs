@@ -62,15 +62,7 @@ impl ShardUrl {
                 let (bucket, path) = bucket_and_path(url, rest)?;
                 Location::S3 { bucket, path }
             }
-            Some(("file", _)) => {
-                let parsed =
-                    url::Url::parse(url).map_err(|_| UrlError::FileUrl { url: url.into() })?;
-                Location::Local(
-                    parsed
-                        .to_file_path()
-                        .map_err(|_| UrlError::FileUrl { url: url.into() })?,
-                )
-            }
+            Some(("file", _)) => file_url(url)?,
             Some((scheme, _)) => {
                 return Err(UrlError::Scheme {
                     url: url.into(),
@@ -78,8 +70,15 @@ impl ShardUrl {
                 });
             }
             None => {
-                // `gs:/b/x` is a typo, not a local directory named "gs:".
-                if let Some((scheme @ ("gs" | "s3" | "file"), rest)) = url.split_once(':') {
+                // `gs:/b/x` is a typo, not a local directory named "gs:"; `file:/data/x.tar`
+                // is a file URL (RFC 8089's short form).
+                if url.starts_with("file:/") {
+                    return Ok(ShardUrl {
+                        url: url.to_string(),
+                        location: file_url(url)?,
+                    });
+                }
+                if let Some((scheme @ ("gs" | "s3"), rest)) = url.split_once(':') {
                     return Err(UrlError::Slashes {
                         url: url.into(),
                         scheme: scheme.into(),
@@ -112,6 +111,14 @@ impl std::fmt::Display for ShardUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.url)
     }
+}
+
+fn file_url(url: &str) -> Result<Location, UrlError> {
+    let parsed = url::Url::parse(url).map_err(|_| UrlError::FileUrl { url: url.into() })?;
+    let path = parsed
+        .to_file_path()
+        .map_err(|_| UrlError::FileUrl { url: url.into() })?;
+    Ok(Location::Local(path))
 }
 
 fn bucket_and_path(url: &str, rest: &str) -> Result<(String, ObjectPath), UrlError> {
@@ -201,13 +208,15 @@ mod tests {
         for (typo, fixed) in [
             ("gs:/bkt/x.tar", "gs://bkt/x.tar"),
             ("s3:bkt/x.tar", "s3://bkt/x.tar"),
-            ("file:/data/x.tar", "file://data/x.tar"),
         ] {
             let err = ShardUrl::parse(typo, base).unwrap_err().to_string();
             assert!(err.contains(&format!("did you mean {fixed:?}?")), "{err}");
         }
-        // Only those three: a local name with another colon is a path.
+        // Only those two: a local name with another colon is a path...
         assert!(ShardUrl::parse("c:/x.tar", base).is_ok());
+        // ...and `file:/path` is a file URL.
+        let short = ShardUrl::parse("file:/data/x.tar", base).unwrap();
+        assert_eq!(short.location(), &Location::Local("/data/x.tar".into()));
         assert!(matches!(
             ShardUrl::parse("gs:///y.tar", base),
             Err(UrlError::NoBucket { .. })
