@@ -248,3 +248,6 @@ pub fn fingerprint(
     }
     hex::encode(&h.finalize()[..8])
 }
+
+#[cfg(test)]
+mod tests;

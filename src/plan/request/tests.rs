@@ -1,0 +1,188 @@
+//! The entry point alone, against what a job must read: every stream of a job planned as its
+//! hosts plan it, and the samples each stream reads expanded from its pieces.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use super::*;
+use crate::plan::Topology;
+
+const MIX: &str = "[datasets.web]\nshards = \"/w/{0..99}.tar\"\nshuffle_buffer = 5\nmanifest = \"/w/m.json\"\n\
+                   [datasets.books]\nshards = \"/b/{0..59}.tar\"\nshuffle_buffer = 4\nmanifest = \"/b/m.json\"\n\
+                   [datasets.both]\nmix = { web = 3, books = 2 }\nsamples_per_epoch = 10\n\
+                   [datasets.stepped]\nmix = { web = 3, books = 2 }\nsamples_per_epoch = 10\n\
+                   schedule = [{ at = 100, mix = { web = 1, books = 1 } }]\n";
+
+/// The mix's config, shard `i` of each source holding `4 + i % 5` samples.
+fn config() -> Config {
+    let mut c = Config::parse(MIX, Path::new("/")).unwrap();
+    for d in c.datasets.values_mut() {
+        let counts: Vec<u64> = (0..d.shards.len() as u64).map(|i| 4 + i % 5).collect();
+        d.set_counts(counts.into());
+    }
+    c
+}
+
+/// Every stream of the job `hosts × ranks × workers` planned by its host, in stream order.
+fn job(
+    c: &Config,
+    name: &str,
+    (hosts, ranks, workers): (u32, u32, u32),
+    epoch: u64,
+    with_next: bool,
+) -> Vec<Plan> {
+    let mut plans = Vec::new();
+    for h in 0..hosts {
+        let mut c = c.clone();
+        c.host = Topology {
+            index: h,
+            count: hosts,
+        };
+        for s in 0..ranks * workers {
+            let req = StreamRequest {
+                seed: 5,
+                epoch,
+                rank: h * ranks + s / workers,
+                world_size: hosts * ranks,
+                worker: s % workers,
+                num_workers: workers,
+            };
+            plans.push(plan(&c, name, req, None, &[], with_next).unwrap());
+        }
+    }
+    plans
+}
+
+/// Per source, every (shard, sample) the plans read, from their pieces.
+fn reads(c: &Config, plans: &[Plan]) -> BTreeMap<String, Vec<(usize, u64)>> {
+    let mut out: BTreeMap<String, Vec<(usize, u64)>> = BTreeMap::new();
+    for plan in plans {
+        for lane in &plan.lanes {
+            let counts = c.datasets[&lane.dataset].counts.clone().unwrap();
+            for run in &lane.runs {
+                let before = out.get(&lane.dataset).map_or(0, Vec::len);
+                for p in &run.plan.pieces {
+                    let end = p.end.unwrap_or(counts[p.shard]);
+                    let got = out.entry(lane.dataset.clone()).or_default();
+                    got.extend((p.start..end).map(|i| (p.shard, i)));
+                }
+                let read = out.get(&lane.dataset).map_or(0, Vec::len) - before;
+                assert_eq!(
+                    Some(read as u64),
+                    run.len(),
+                    "a whole run reads all its pieces"
+                );
+            }
+        }
+    }
+    out
+}
+
+/// A mix's epochs, with several hosts, ranks and workers: each source's samples are read
+/// once job-wide in an epoch (two epochs take less than a pass of either source), in the quotas of its weight, and the next epoch goes on where
+/// this one stopped (no sample of a source read again while its pass lasts). Where each
+/// epoch starts depends on the job's streams and a host's: got wrong, epochs overlap.
+#[test]
+fn a_mix_reads_each_source_once_per_pass_across_epochs_and_streams() {
+    let c = config();
+    for topology in [(2, 2, 2), (1, 3, 2), (3, 1, 1)] {
+        let mut seen: BTreeMap<String, BTreeSet<(usize, u64)>> = BTreeMap::new();
+        for epoch in 0..2 {
+            let plans = job(&c, "both", topology, epoch, false);
+            let got = reads(&c, &plans);
+            let streams = plans.len() as u64;
+            let delivered: u64 = plans.iter().map(|p| p.samples.unwrap()).sum();
+            assert_eq!(
+                delivered,
+                10 * streams,
+                "{topology:?}: samples_per_epoch is each stream's"
+            );
+            // 3 : 2 of each stream's samples.
+            assert_eq!(
+                got["web"].len() as u64,
+                delivered * 3 / 5,
+                "{topology:?} epoch {epoch}"
+            );
+            assert_eq!(
+                got["books"].len() as u64,
+                delivered * 2 / 5,
+                "{topology:?} epoch {epoch}"
+            );
+            for (source, samples) in got {
+                let fresh = seen.entry(source.clone()).or_default();
+                for s in samples {
+                    assert!(
+                        fresh.insert(s),
+                        "{topology:?} epoch {epoch}: {source} {s:?} read again"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// What a stream prefetches for its next epoch is what it reads then, source by source.
+#[test]
+fn a_mix_streams_next_epoch_shards_are_those_it_reads_next_epoch() {
+    let c = config();
+    for topology in [(2, 2, 2), (1, 3, 2)] {
+        let now = job(&c, "both", topology, 0, true);
+        let next = job(&c, "both", topology, 1, false);
+        for (a, b) in now.iter().zip(&next) {
+            for lane in &a.lanes {
+                let then = b.lanes.iter().find(|l| l.dataset == lane.dataset).unwrap();
+                let shards: Vec<usize> = then.runs.iter().flat_map(|r| r.plan.shards()).collect();
+                assert!(!shards.is_empty());
+                assert_eq!(lane.next_epoch, shards, "{topology:?} {}", lane.dataset);
+            }
+        }
+    }
+}
+
+/// A schedule's `at` is job-wide: the new weights start at the first step at which the
+/// job's streams (world_size × num_workers, reading in step) have read that many samples, and
+/// every source still goes on where it was.
+#[test]
+fn a_schedules_at_is_counted_over_the_jobs_streams() {
+    let c = config();
+    for topology in [(2, 2, 2), (1, 3, 2), (3, 1, 1)] {
+        let mut seen: BTreeMap<String, BTreeSet<(usize, u64)>> = BTreeMap::new();
+        for epoch in 0..4 {
+            let plans = job(&c, "stepped", topology, epoch, false);
+            let streams = plans.len() as u64;
+            // An epoch is 10 steps of every stream: the job has read `start` samples before it.
+            let start = 10 * streams * epoch;
+            let want = match (100u64.saturating_sub(start)).div_ceil(streams) {
+                0 => vec![(0, 1)],
+                step if step < 10 => vec![(0, 0), (step, 1)],
+                _ => vec![(0, 0)],
+            };
+            for p in &plans {
+                let got: Vec<(u64, usize)> = p
+                    .segments
+                    .as_ref()
+                    .unwrap()
+                    .iter()
+                    .map(|s| (s.position, s.entry))
+                    .collect();
+                assert_eq!(got, want, "{topology:?} epoch {epoch}");
+            }
+            for (source, samples) in reads(&c, &plans) {
+                let fresh = seen.entry(source.clone()).or_default();
+                for s in samples {
+                    assert!(
+                        fresh.insert(s),
+                        "{topology:?} epoch {epoch}: {source} {s:?} read again"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Each source's shuffle is keyed apart (a golden vector: orders are a contract).
+#[test]
+fn source_keys_are_pinned() {
+    assert_eq!(crate::plan::source_key(7, 0), 6395785482253289984);
+    assert_eq!(crate::plan::source_key(7, 1), 5822386694794808127);
+}
