@@ -498,6 +498,15 @@ fn refuses_what_this_host_cannot_serve() {
         plan_stream(shape, topo, &req(0, 0, 2, 4, 0, 1)).unwrap_err(),
         PlanError::NoSamples
     );
+    // Nothing to draw from, resampled too.
+    let shape = Shape {
+        resampled: true,
+        ..shape
+    };
+    assert_eq!(
+        plan_stream(shape, topo, &req(0, 0, 2, 4, 0, 1)).unwrap_err(),
+        PlanError::NoSamples
+    );
 }
 
 /// epoch × samples_per_epoch × streams passes u128 for absurd requests: refused, never a
@@ -521,5 +530,30 @@ fn refuses_epochs_whose_start_overflows() {
             plan_stream(shape, topo, &r).unwrap_err(),
             PlanError::EpochTooLarge { epoch },
         );
+    }
+}
+
+/// A stream's pass (START's `sources[].pass`) is how many times the host's share was read
+/// through before the stream's first sample: with one stream, `⌊epoch × samples_per_epoch /
+/// share⌋`.
+#[test]
+fn a_streams_pass_counts_the_shares_read_before_it() {
+    let counts = [5, 9, 3];
+    let share: u64 = counts.iter().sum();
+    let topo = Topology { index: 0, count: 1 };
+    for spe in [7, 17, 40] {
+        let shape = Shape {
+            counts: Some(&counts),
+            samples_per_epoch: Some(spe),
+            ..Shape::shards(counts.len())
+        };
+        for epoch in 0..12 {
+            let plan = plan_stream(shape, topo, &req(3, epoch, 0, 1, 0, 1)).unwrap();
+            assert_eq!(
+                plan.pass,
+                epoch * spe / share,
+                "samples_per_epoch {spe}, epoch {epoch}"
+            );
+        }
     }
 }
