@@ -478,6 +478,13 @@ fn bad_origins_are_refused_with_what_is_wrong() {
     let mut two = o(1, 1, vec![0, 0]);
     two.num_workers = 3;
     assert!(e(two).contains("2 positions for 3 workers"));
+    // Each count alone at zero.
+    let at_least = "hosts, world_size and num_workers must be at least 1";
+    assert!(e(o(0, 2, vec![0])).contains(at_least));
+    assert!(e(o(1, 0, vec![0])).contains(at_least));
+    let mut no_workers = o(1, 1, vec![]);
+    no_workers.num_workers = 0;
+    assert!(e(no_workers).contains(at_least));
     let no_manifest = Shape::shards(4);
     assert_eq!(
         plan(no_manifest, host, &req, &o(1, 1, vec![0])).unwrap_err(),

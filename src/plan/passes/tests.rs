@@ -169,3 +169,33 @@ fn passes_go_on_when_a_host_stands_at_a_pass_boundary_and_another_is_past_it() {
         );
     }
 }
+
+/// The deal is a rule, and its result an order (heads are read first after a resize): each
+/// new host first keeps what of the rests lies in its own share, up to its due; what is left
+/// fills the hosts still short, in index order. A rest that crosses a share boundary is cut
+/// there. 40 samples, 4 new hosts (shares of 10), rests 8..18 and 20..30: 5 due each.
+#[test]
+fn the_deal_keeps_what_lies_in_each_hosts_own_share_first() {
+    let span = |a: u64, b: u64| Span {
+        piece: Piece {
+            shard: 0,
+            start: a,
+            end: Some(b),
+        },
+        at: a as u128,
+    };
+    let heads = deal(vec![vec![span(8, 18)], vec![span(20, 30)]], 4, 40);
+    let got: Vec<Vec<(u128, u128)>> = heads
+        .iter()
+        .map(|h| h.iter().map(|s| (s.at, s.at + s.len())).collect())
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            vec![(8, 10), (15, 18)], // its own 8..10, then host 1's surplus
+            vec![(10, 15)],          // the first 5 of its own 10..18
+            vec![(20, 25)],
+            vec![(25, 30)], // host 2's surplus: nothing of the rests is in its share
+        ]
+    );
+}
