@@ -123,7 +123,31 @@ fn counts_and_cursors_agree_with_the_labels_at_every_position() {
         for t in 0..=labels.len() {
             assert_eq!(mix.counts_at(key, t as u64), counts, "case {case} at {t}");
             if t % 7 == 0 || t + 1 >= labels.len() {
-                let rest: Vec<usize> = mix.cursor(key, t as u64).collect();
+                // A cursor from t: the labels from t, how many are left at each step, and the
+                // schedule entry of each label's segment.
+                let mut cursor = mix.cursor(key, t as u64);
+                let mut rest = Vec::new();
+                loop {
+                    let (p, left) = (t + rest.len(), labels.len() - t - rest.len());
+                    assert_eq!(
+                        cursor.size_hint(),
+                        (left, Some(left)),
+                        "case {case}: at {p}"
+                    );
+                    let Some(label) = cursor.next() else { break };
+                    let segment = mix
+                        .segments()
+                        .iter()
+                        .rev()
+                        .find(|s| s.start <= p as u64)
+                        .unwrap();
+                    assert_eq!(
+                        cursor.entry(),
+                        segment.entry,
+                        "case {case}: the entry at {p}"
+                    );
+                    rest.push(label);
+                }
                 assert_eq!(rest, labels[t..], "case {case}: a cursor from {t}");
             }
             if let Some(&label) = labels.get(t) {
