@@ -298,6 +298,14 @@ fn warm_shards_are_what_the_host_reads_once_each() {
                     "case {case}: a shard twice in {warm:?}"
                 );
                 everyone.extend(once.iter().copied());
+                if !exact {
+                    // Nothing more either: every shard warmed is read in some epoch (the
+                    // leftovers rotate over the hosts).
+                    let some_epoch: BTreeSet<usize> = (0..2 * hosts as u64)
+                        .flat_map(|e| host_shards(shape, topo, e))
+                        .collect();
+                    assert_eq!(once, some_epoch, "case {case}, host {h}");
+                }
                 for epoch in 0..4 {
                     let read: Vec<usize> = if exact {
                         (0..per_host * workers)
@@ -487,6 +495,14 @@ fn refuses_what_this_host_cannot_serve() {
         "worker 2 must be less than num_workers 2"
     );
     assert_eq!(err(req(0, 0, 0, 0, 0, 1)), "world_size must be at least 1");
+    // Another host of another pod: its own range of ranks.
+    let third = Topology { index: 2, count: 4 };
+    assert_eq!(
+        plan_stream(Shape::shards(10), third, &req(0, 0, 10, 12, 0, 1))
+            .unwrap_err()
+            .to_string(),
+        "rank 10 is not on this host: host 2 of 4 serves ranks 6..=8 of world_size 12; rank 10 is host 3's: each host's daemon needs its own host.index (\"auto\" on a TPU VM)"
+    );
     assert_eq!(err(req(0, 0, 2, 4, 0, 0)), "num_workers must be at least 1");
     let empty: [u64; 1] = [0];
     let shape = Shape {
