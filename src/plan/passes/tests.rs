@@ -199,3 +199,53 @@ fn the_deal_keeps_what_lies_in_each_hosts_own_share_first() {
         ]
     );
 }
+
+/// A dataset's cache of heads (shared by its streams) changes no plan, holds at most
+/// `HEADS_KEPT` of them, and recomputes one it let go.
+#[test]
+fn cached_heads_plan_as_uncached_ones_and_stay_bounded() {
+    let counts: Vec<u64> = (0..13).map(|i| 3 + i % 4).collect();
+    let cache = crate::config::ShareCache::default();
+    let hops = [Hop {
+        hosts: 2,
+        world_size: 4,
+        num_workers: 1,
+        last_epoch: 0,
+    }];
+    let shape = Shape {
+        counts: Some(&counts),
+        samples_per_epoch: Some(5),
+        share_seed: 5,
+        passes: Passes {
+            hops: &hops,
+            mix: None,
+        },
+        ..Shape::shards(counts.len())
+    };
+    let cached = Shape {
+        share: Some(&cache),
+        ..shape
+    };
+    // Six seeds (six heads), then the first two again, after they were let go.
+    for seed in [1, 2, 3, 4, 5, 6, 1, 2] {
+        for (index, rank) in [(0, 0), (2, 5)] {
+            let req = StreamRequest {
+                seed,
+                epoch: 1,
+                rank,
+                world_size: 6,
+                worker: 0,
+                num_workers: 1,
+            };
+            let host = Topology { index, count: 3 };
+            let want = plan_stream(shape, host, &req).unwrap();
+            assert_eq!(
+                plan_stream(cached, host, &req).unwrap(),
+                want,
+                "seed {seed}"
+            );
+            let kept = cache.heads.lock().unwrap().len();
+            assert!((1..=HEADS_KEPT).contains(&kept), "{kept} heads kept");
+        }
+    }
+}
