@@ -537,6 +537,14 @@ fn requests_past_the_bound_are_refused_before_any_work() {
         };
     }
     assert!(refused(plan(shape, host, &req, &chain)).contains("more than 16 resumes"));
+    // ...and a chain of exactly MAX_HOPS is planned.
+    let Origin {
+        from: Some(within), ..
+    } = chain
+    else {
+        unreachable!()
+    };
+    plan(shape, host, &req, &within).unwrap();
     // Just inside the bound is planned: one new stream reads every old stream's rest.
     let at = MAX_STREAMS as u32 - 1;
     let p = plan(shape, host, &req, &origin(1, at)).unwrap();

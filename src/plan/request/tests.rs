@@ -6,6 +6,7 @@ use std::path::Path;
 
 use super::*;
 use crate::plan::Topology;
+use crate::plan::passes::Hop;
 
 const MIX: &str = "[datasets.web]\nshards = \"/w/{0..99}.tar\"\nshuffle_buffer = 5\nmanifest = \"/w/m.json\"\n\
                    [datasets.books]\nshards = \"/b/{0..59}.tar\"\nshuffle_buffer = 4\nmanifest = \"/b/m.json\"\n\
@@ -30,6 +31,7 @@ fn job(
     (hosts, ranks, workers): (u32, u32, u32),
     epoch: u64,
     with_next: bool,
+    history: &[Hop],
 ) -> Vec<Plan> {
     let mut plans = Vec::new();
     for h in 0..hosts {
@@ -47,7 +49,7 @@ fn job(
                 worker: s % workers,
                 num_workers: workers,
             };
-            plans.push(plan(&c, name, req, None, &[], with_next).unwrap());
+            plans.push(plan(&c, name, req, None, history, with_next).unwrap());
         }
     }
     plans
@@ -88,7 +90,7 @@ fn a_mix_reads_each_source_once_per_pass_across_epochs_and_streams() {
     for topology in [(2, 2, 2), (1, 3, 2), (3, 1, 1)] {
         let mut seen: BTreeMap<String, BTreeSet<(usize, u64)>> = BTreeMap::new();
         for epoch in 0..2 {
-            let plans = job(&c, "both", topology, epoch, false);
+            let plans = job(&c, "both", topology, epoch, false, &[]);
             let got = reads(&c, &plans);
             let streams = plans.len() as u64;
             let delivered: u64 = plans.iter().map(|p| p.samples.unwrap()).sum();
@@ -126,8 +128,8 @@ fn a_mix_reads_each_source_once_per_pass_across_epochs_and_streams() {
 fn a_mix_streams_next_epoch_shards_are_those_it_reads_next_epoch() {
     let c = config();
     for topology in [(2, 2, 2), (1, 3, 2)] {
-        let now = job(&c, "both", topology, 0, true);
-        let next = job(&c, "both", topology, 1, false);
+        let now = job(&c, "both", topology, 0, true, &[]);
+        let next = job(&c, "both", topology, 1, false, &[]);
         for (a, b) in now.iter().zip(&next) {
             for lane in &a.lanes {
                 let then = b.lanes.iter().find(|l| l.dataset == lane.dataset).unwrap();
@@ -148,7 +150,7 @@ fn a_schedules_at_is_counted_over_the_jobs_streams() {
     for topology in [(2, 2, 2), (1, 3, 2), (3, 1, 1)] {
         let mut seen: BTreeMap<String, BTreeSet<(usize, u64)>> = BTreeMap::new();
         for epoch in 0..4 {
-            let plans = job(&c, "stepped", topology, epoch, false);
+            let plans = job(&c, "stepped", topology, epoch, false, &[]);
             let streams = plans.len() as u64;
             // An epoch is 10 steps of every stream: the job has read `start` samples before it.
             let start = 10 * streams * epoch;
@@ -174,6 +176,40 @@ fn a_schedules_at_is_counted_over_the_jobs_streams() {
                         fresh.insert(s),
                         "{topology:?} epoch {epoch}: {source} {s:?} read again"
                     );
+                }
+            }
+        }
+    }
+}
+
+/// Across a resize (the job's history of topologies), each source of a mix goes on where
+/// the old topology left it: its epochs there, and its `at` schedule, are counted over the old
+/// topology's streams.
+#[test]
+fn a_mix_goes_on_across_a_resize() {
+    let c = config();
+    for (old, new) in [((2, 2, 2), (3, 1, 1)), ((1, 3, 2), (2, 2, 2))] {
+        let hops = [Hop {
+            hosts: old.0,
+            world_size: old.0 * old.1,
+            num_workers: old.2,
+            last_epoch: 1,
+        }];
+        for name in ["both", "stepped"] {
+            let mut seen: BTreeMap<String, BTreeSet<(usize, u64)>> = BTreeMap::new();
+            for epoch in 0..4 {
+                let plans = match epoch {
+                    0 | 1 => job(&c, name, old, epoch, false, &[]),
+                    _ => job(&c, name, new, epoch, false, &hops),
+                };
+                for (source, samples) in reads(&c, &plans) {
+                    let fresh = seen.entry(source.clone()).or_default();
+                    for s in samples {
+                        assert!(
+                            fresh.insert(s),
+                            "{name} {old:?} → {new:?}, epoch {epoch}: {source} {s:?} read again"
+                        );
+                    }
                 }
             }
         }
