@@ -222,3 +222,30 @@ fn source_keys_are_pinned() {
     assert_eq!(crate::plan::source_key(7, 0), 6395785482253289984);
     assert_eq!(crate::plan::source_key(7, 1), 5822386694794808127);
 }
+
+/// An elastic resume's pieces are counted across its runs, and refused past the bound.
+#[test]
+fn the_piece_budget_counts_every_run_and_refuses_past_its_bound() {
+    let pieces = |n: usize| crate::plan::StreamPlan {
+        pieces: vec![
+            crate::plan::Piece {
+                shard: 0,
+                start: 0,
+                end: Some(1),
+            };
+            n
+        ],
+        stream_key: 0,
+        samples: Some(n as u64),
+        dropped: 0,
+        pass: 0,
+    };
+    let mut budget = PieceBudget(MAX_RESUMED_PIECES - 3);
+    assert_eq!(budget.take(pieces(2)).unwrap().pieces.len(), 2);
+    assert_eq!(budget.take(pieces(1)).unwrap().pieces.len(), 1);
+    let refused = budget.take(pieces(1)).unwrap_err().to_string();
+    assert!(
+        refused.contains(&format!("more than {MAX_RESUMED_PIECES} pieces")),
+        "{refused}"
+    );
+}
