@@ -153,6 +153,18 @@ fn counts_match_the_cursor_everywhere_on_small_epochs() {
         let mix = Mix::with_shift(&weights, e, shift).unwrap();
         let labels: Vec<usize> = mix.cursor(77, 0).collect();
         assert_eq!(labels.len() as u64, e);
+        // A cursor from anywhere knows how many labels are left, at every step.
+        for from in [0, e / 3, e - 1, e] {
+            let mut cursor = mix.cursor(77, from);
+            for left in (0..=(e - from) as usize).rev() {
+                assert_eq!(
+                    cursor.size_hint(),
+                    (left, Some(left)),
+                    "{weights:?} from {from}"
+                );
+                assert_eq!(cursor.next().is_some(), left > 0);
+            }
+        }
         let mut counts = vec![0; weights.len()];
         for t in 0..=e {
             assert_eq!(mix.counts_at(77, t), counts, "{weights:?} t {t}");
