@@ -137,6 +137,12 @@ fn a_history_is_checked() {
     );
     assert!(err(&[hop(3, 4, 0)], 9).contains("world_size 4 is not divisible by its hosts 3"));
     assert!(err(&[hop(0, 4, 0)], 9).contains("must be at least 1"));
+    assert!(err(&[hop(1, 0, 0)], 9).contains("must be at least 1"));
+    let no_workers = Hop {
+        num_workers: 0,
+        ..hop(1, 1, 0)
+    };
+    assert!(err(&[no_workers], 9).contains("must be at least 1"));
     assert!(err(&[hop(1 << 19, 1 << 19, 0)], 9).contains("more than 262144"));
     let long: Vec<Hop> = (0..17).map(|i| hop(1, 1, i)).collect();
     assert!(err(&long, 99).contains("17 hops, more than 16"));
