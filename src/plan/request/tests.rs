@@ -123,19 +123,29 @@ fn a_mix_reads_each_source_once_per_pass_across_epochs_and_streams() {
     }
 }
 
-/// What a stream prefetches for its next epoch is what it reads then, source by source.
+/// What a stream prefetches for its next epoch is what it reads then, source by source: in a
+/// mix whose schedule changes its quotas between epochs too, and in a plain dataset.
 #[test]
-fn a_mix_streams_next_epoch_shards_are_those_it_reads_next_epoch() {
+fn a_streams_next_epoch_shards_are_those_it_reads_next_epoch() {
     let c = config();
-    for topology in [(2, 2, 2), (1, 3, 2)] {
-        let now = job(&c, "both", topology, 0, true, &[]);
-        let next = job(&c, "both", topology, 1, false, &[]);
-        for (a, b) in now.iter().zip(&next) {
-            for lane in &a.lanes {
-                let then = b.lanes.iter().find(|l| l.dataset == lane.dataset).unwrap();
-                let shards: Vec<usize> = then.runs.iter().flat_map(|r| r.plan.shards()).collect();
-                assert!(!shards.is_empty());
-                assert_eq!(lane.next_epoch, shards, "{topology:?} {}", lane.dataset);
+    for name in ["both", "stepped", "web"] {
+        for topology in [(2, 2, 2), (1, 3, 2)] {
+            for epoch in 0..3 {
+                let now = job(&c, name, topology, epoch, true, &[]);
+                let next = job(&c, name, topology, epoch + 1, false, &[]);
+                for (a, b) in now.iter().zip(&next) {
+                    for lane in &a.lanes {
+                        let then = b.lanes.iter().find(|l| l.dataset == lane.dataset).unwrap();
+                        let shards: Vec<usize> =
+                            then.runs.iter().flat_map(|r| r.plan.shards()).collect();
+                        assert!(!shards.is_empty());
+                        assert_eq!(
+                            lane.next_epoch, shards,
+                            "{name} {topology:?} epoch {epoch} {}",
+                            lane.dataset
+                        );
+                    }
+                }
             }
         }
     }
