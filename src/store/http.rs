@@ -90,10 +90,10 @@ impl HttpService for Client {
         }
         let mut request = request;
         loop {
-            if bucket && retries.failures() > 0 {
-                c.resign.refresh(&mut request).await;
-            }
             if bucket {
+                if retries.failures() > 0 {
+                    c.resign.refresh(&mut request).await;
+                }
                 let paced = c.pacer.acquire(&urgency).await;
                 c.waited(&urgency, "paced", paced);
             }

@@ -80,6 +80,21 @@ fn reads(c: &Config, plans: &[Plan]) -> BTreeMap<String, Vec<(usize, u64)>> {
     out
 }
 
+/// Adds what `plans` read to `seen`, per source; a sample read again fails, naming `what`.
+fn read_once(
+    seen: &mut BTreeMap<String, BTreeSet<(usize, u64)>>,
+    c: &Config,
+    plans: &[Plan],
+    what: &str,
+) {
+    for (source, samples) in reads(c, plans) {
+        let fresh = seen.entry(source.clone()).or_default();
+        for s in samples {
+            assert!(fresh.insert(s), "{what}: {source} {s:?} read again");
+        }
+    }
+}
+
 /// A mix's epochs, with several hosts, ranks and workers: each source's samples are read
 /// once job-wide in an epoch (two epochs take less than a pass of either source), in the quotas of its weight, and the next epoch goes on where
 /// this one stopped (no sample of a source read again while its pass lasts). Where each
@@ -110,15 +125,12 @@ fn a_mix_reads_each_source_once_per_pass_across_epochs_and_streams() {
                 delivered * 2 / 5,
                 "{topology:?} epoch {epoch}"
             );
-            for (source, samples) in got {
-                let fresh = seen.entry(source.clone()).or_default();
-                for s in samples {
-                    assert!(
-                        fresh.insert(s),
-                        "{topology:?} epoch {epoch}: {source} {s:?} read again"
-                    );
-                }
-            }
+            read_once(
+                &mut seen,
+                &c,
+                &plans,
+                &format!("{topology:?} epoch {epoch}"),
+            );
         }
     }
 }
@@ -179,15 +191,12 @@ fn a_schedules_at_is_counted_over_the_jobs_streams() {
                     .collect();
                 assert_eq!(got, want, "{topology:?} epoch {epoch}");
             }
-            for (source, samples) in reads(&c, &plans) {
-                let fresh = seen.entry(source.clone()).or_default();
-                for s in samples {
-                    assert!(
-                        fresh.insert(s),
-                        "{topology:?} epoch {epoch}: {source} {s:?} read again"
-                    );
-                }
-            }
+            read_once(
+                &mut seen,
+                &c,
+                &plans,
+                &format!("{topology:?} epoch {epoch}"),
+            );
         }
     }
 }
@@ -212,15 +221,12 @@ fn a_mix_goes_on_across_a_resize() {
                     0 | 1 => job(&c, name, old, epoch, false, &[]),
                     _ => job(&c, name, new, epoch, false, &hops),
                 };
-                for (source, samples) in reads(&c, &plans) {
-                    let fresh = seen.entry(source.clone()).or_default();
-                    for s in samples {
-                        assert!(
-                            fresh.insert(s),
-                            "{name} {old:?} → {new:?}, epoch {epoch}: {source} {s:?} read again"
-                        );
-                    }
-                }
+                read_once(
+                    &mut seen,
+                    &c,
+                    &plans,
+                    &format!("{name} {old:?} → {new:?}, epoch {epoch}"),
+                );
             }
         }
     }
