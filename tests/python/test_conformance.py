@@ -4,7 +4,8 @@ delivery, reader, event and the client's decoder.
 A cell reads one epoch of a 2-rank job (1 host) through one reader while one event happens
 after its fifth sample. The `outage` event's cells read the same shards from a bucket (the
 bucket emulator in front of fake-gcs-server) that answers 503 to everything from then until
-the daemon has met it twice; the other cells read local files. Its oracle is the same cell
+the daemon has met it twice and the outage has outlived a token: the daemon's credentials are
+a metadata server's tokens, which the bucket takes for 2 s. The other cells read local files. Its oracle is the same cell
 read without the event, on a daemon of its own (the same samples, in the same order, on every
 rank), and the contract of its mode: byte-equal to webdataset's reading of the same tars,
 every sample once per epoch across ranks, equal counts per rank, a mix's ±1 prefix bound and
@@ -17,7 +18,7 @@ was open when it fired; kill -9 and a restart made the reader reconnect (the cli
 warning, counted in every process that read; for `pipe`, the new daemon served shards); a
 pause parked a stream; a slow reader was never parked; a deletion removed cache entries and
 shards were fetched again; the small budget evicted and its peak stayed under it; the outage
-met requests. No stream failed, in the daemon or in the one it replaced.
+met requests, and no request was refused for its credentials after it. No stream failed, in the daemon or in the one it replaced.
 
 CI runs a covering subset: every pair of axis values (of the cells that apply) at least once,
 chosen deterministically, and a seventh of the other cells, chosen by the date: every cell
@@ -41,8 +42,9 @@ import pytest
 import shardd
 import webdataset as wds
 
-from bucket_emulator import BucketEmulator
+from bucket_emulator import BucketEmulator, make_token
 from conftest import SHARDD, reference_samples, start_fake_gcs, wait_for
+from test_credentials import Metadata, no_credentials_env
 
 MODES = ["shards", "manifest", "mix", "resampled", "tgz", "zst"]
 DELIVERIES = ["socket", "zero_copy"]
@@ -54,6 +56,8 @@ DECODERS = ["compiled", "python"]
 
 SHARDS, PER_SHARD = 24, 20
 WORLD, SEED, EPOCH, AT = 2, 3, 0, 5
+# The bucket's credentials: a metadata server's tokens, good for TOKEN_TTL seconds.
+TOKEN_SECRET, TOKEN_TTL = "matrix-token", 2
 MIX_E, RESAMPLED_E = 200, 200
 # The mix's weights change from 3:1 to 1:1 at job-wide sample MIX_AT: inside epoch 0, at
 # position MIX_AT / (WORLD × streams per rank) of every stream.
@@ -192,14 +196,17 @@ def data(tmp_path_factory):
             "zst": [root / f"m-{s:02d}.tar.zst" for s in range(SHARDS)]}
 
     # The same files in a bucket, for the outage cells: fake-gcs-server serves gcs/mbkt/*
-    # (hard links), through the bucket emulator; manifests indexed from the bucket.
+    # (hard links), through the bucket emulator, which takes the metadata server's
+    # short-lived tokens; manifests indexed from the bucket (fake-gcs-server itself, anonymous).
     bucket = tmp_path_factory.mktemp("matrix-gcs")
     (bucket / "mbkt").mkdir()
     for f in root.iterdir():
         if f.is_file() and not f.name.endswith(".json"):
             os.link(f, bucket / "mbkt" / f.name)
     server = start_fake_gcs(bucket, bucket)
-    emulator = BucketEmulator(int(server.endpoint.rsplit(":", 1)[1]), hosts=1).start()
+    emulator = BucketEmulator(int(server.endpoint.rsplit(":", 1)[1]), hosts=1, token_secret=TOKEN_SECRET).start()
+    metadata = Metadata(token=lambda: (make_token(TOKEN_SECRET, "0", TOKEN_TTL), TOKEN_TTL))
+    bucket_env = no_credentials_env(tmp_path_factory.mktemp("matrix-host"), metadata.address)
     gcs = f'[gcs]\nendpoint = "{server.endpoint}"\nanonymous = true\n'
     (bucket / "index.toml").write_text(gcs)
     gcs_sections = {}
@@ -213,14 +220,15 @@ def data(tmp_path_factory):
                 assert run.returncode == 0, run.stderr
                 text = text.replace(str(manifest_path), str(out))
         gcs_sections[name] = text.replace(f"{root}/", "gs://mbkt/")
-    gcs_body = (f'[gcs]\nendpoint = "{emulator.endpoint(0)}"\nanonymous = true\n'
+    gcs_body = (f'[gcs]\nendpoint = "{emulator.endpoint(0)}"\n'
                 '[store]\nretry_timeout = "60s"\n' + "[host]\nindex = 0\ncount = 1\n" + "".join(
         f"[datasets.{name}]\n{text}\n" + ("shuffle_buffer = 15\n" if name != "mix" else "")
         for name, text in gcs_sections.items()))
     gcs_urls = {mode: [f"gs://mbkt/{u.name}" for u in us] for mode, us in urls.items()}
     yield {"body": body, "want": want, "web": web, "urls": urls,
-           "gcs_body": gcs_body, "gcs_urls": gcs_urls, "bucket": emulator}
+           "gcs_body": gcs_body, "gcs_urls": gcs_urls, "bucket": emulator, "bucket_env": bucket_env}
     emulator.close()
+    metadata.close()
     server.stop()
 
 
@@ -423,14 +431,17 @@ class Trigger:
                 assert len(list(c.stream("other", epoch=0, rank=0, world_size=1))) == 3 * PER_SHARD
         elif self.event == "outage":
             # Every request answered 503 until the daemon has met it twice (the job still has
-            # shards to fetch: 4 ahead of rank 0's reading, and all of rank 1's); the readers
-            # wait meanwhile. A thread ends it, as the readers may be waiting for it to end.
+            # shards to fetch: 4 ahead of rank 0's reading, and all of rank 1's) and every
+            # token handed out before it began has expired; the readers wait meanwhile. A
+            # thread ends it, as the readers may be waiting for it to end.
             self.bucket.outage("503")
+            began = time.monotonic()
 
             def end():
                 try:
-                    wait_for(lambda: self.d.metric('shardd_store_requests_total{outcome="unavailable"}') >= 2,
-                             "the daemon to meet the outage")
+                    wait_for(lambda: self.d.metric('shardd_store_requests_total{outcome="unavailable"}') >= 2
+                             and time.monotonic() - began > TOKEN_TTL + 0.5,
+                             "the daemon to meet the outage, and the outage to outlive a token")
                 finally:
                     self.bucket.outage(None)
 
@@ -487,6 +498,9 @@ class Trigger:
             assert d.metric('shardd_store_requests_total{outcome="unavailable"}', scrape) >= 2, \
                 "the outage never met a request"
             assert d.metric('shardd_store_errors_total{kind="pushback"}', scrape) == 0
+            # A retry carries the host's current token, not the one its request was signed with.
+            totals = self.bucket.stats()["totals"]
+            assert totals["unauthorized"] == 0, f"requests refused for their credentials: {totals}"
 
 
 def from_bucket(event):
@@ -501,7 +515,8 @@ def start_daemon(make_daemon, data, event, tag, bucket=False):
     # (`cache.block_size`): what an operator whose host takes back memory runs.
     cache = (f'max_size = "{16 * SHARD_BYTES}"\nblock_size = "64KiB"\n' if event == "budget"
              else "")
-    body = data["gcs_body" if bucket or from_bucket(event) else "body"]
+    bucket = bucket or from_bucket(event)
+    body = data["gcs_body" if bucket else "body"]
     # A zero-copy stream's frames are small: the rest of a rank's stream fits in the socket
     # buffer, so it can be sent whole before the event: a pause would find nothing to park, a
     # kill nothing to reconnect for, a deletion no open stream. With two maps a connection,
@@ -509,7 +524,7 @@ def start_daemon(make_daemon, data, event, tag, bucket=False):
     # the socket fills, and the stream is mid-way when the event comes.
     mid_way = event in ("pause", "slow", "kill9", "restart", "deleted")
     server = 'stall_timeout = "2s"\n' + ("zero_copy_maps = 2\n" if mid_way else "")
-    return make_daemon(body, name=tag, server=server, cache=cache)
+    return make_daemon(body, name=tag, server=server, cache=cache, env=data["bucket_env"] if bucket else None)
 
 
 # -- the contract ----------------------------------------------------------------------------
