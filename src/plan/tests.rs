@@ -573,3 +573,109 @@ fn a_streams_pass_counts_the_shares_read_before_it() {
         }
     }
 }
+
+#[test]
+fn the_extra_shard_visits_every_rank_and_worker_once_in_as_many_epochs() {
+    // One host, 3·5 + 1 shards: one stream of three reads a sixth shard. Its slot rotates
+    // with the epoch, so over any 3 consecutive epochs each rank (or worker) has it once.
+    for (ranks, workers) in [(3, 1), (1, 3)] {
+        for first in [0, 1, 4] {
+            let mut extra = Vec::new();
+            for epoch in first..first + 3 {
+                let streams =
+                    shard_lists(&whole_epoch(Shape::shards(16), 1, ranks, workers, 5, epoch));
+                let lens: Vec<usize> = streams.iter().map(Vec::len).collect();
+                let long: Vec<usize> = (0..lens.len()).filter(|&s| lens[s] == 6).collect();
+                assert_eq!(
+                    long.len(),
+                    1,
+                    "ranks {ranks} workers {workers} epoch {epoch}: {lens:?}"
+                );
+                extra.push(long[0]);
+            }
+            extra.sort();
+            assert_eq!(
+                extra,
+                [0, 1, 2],
+                "ranks {ranks} workers {workers}, epochs {first}.."
+            );
+        }
+    }
+}
+
+#[test]
+fn a_shard_without_samples_is_never_read_nor_warmed() {
+    // A manifest may list empty shards: reading (or warming) one would fetch it for nothing.
+    let counts = [4, 0, 7, 0, 0, 5, 3, 0, 6];
+    for samples_per_epoch in [None, Some(5)] {
+        let shape = Shape {
+            counts: Some(&counts),
+            samples_per_epoch,
+            ..Shape::shards(counts.len())
+        };
+        for hosts in 1..=3 {
+            for index in 0..hosts {
+                let warm = warm_shards(
+                    shape,
+                    Topology {
+                        index,
+                        count: hosts,
+                    },
+                );
+                assert!(
+                    warm.iter().all(|&s| counts[s] > 0),
+                    "hosts {hosts}: warm fetches {warm:?}"
+                );
+            }
+            for epoch in 0..4 {
+                for s in whole_epoch(shape, hosts, 2, 1, 9, epoch) {
+                    assert!(
+                        s.pieces
+                            .iter()
+                            .all(|p| p.end.is_some_and(|end| end > p.start)),
+                        "{samples_per_epoch:?} hosts {hosts} epoch {epoch}: {:?}",
+                        s.pieces
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn an_exact_epoch_after_a_resize_is_the_new_topologys_plain_epoch() {
+    // Without samples_per_epoch every epoch reads the dataset once: what the job read before
+    // a resize does not move it (the history counts passes, which only a fixed
+    // samples_per_epoch carries across epochs).
+    let counts = [9, 4, 7, 12, 5, 8, 3, 6];
+    let hops = [passes::Hop {
+        hosts: 4,
+        world_size: 8,
+        num_workers: 2,
+        last_epoch: 2,
+    }];
+    let plain = Shape {
+        counts: Some(&counts),
+        ..Shape::shards(counts.len())
+    };
+    let resized = Shape {
+        passes: passes::Passes {
+            hops: &hops,
+            mix: None,
+        },
+        ..plain
+    };
+    for epoch in 3..6 {
+        let a = whole_epoch(plain, 2, 2, 1, 4, epoch);
+        let b = whole_epoch(resized, 2, 2, 1, 4, epoch);
+        assert_eq!(
+            a.iter()
+                .map(|s| (&s.pieces, s.samples, s.dropped, s.pass))
+                .collect::<Vec<_>>(),
+            b.iter()
+                .map(|s| (&s.pieces, s.samples, s.dropped, s.pass))
+                .collect::<Vec<_>>(),
+            "epoch {epoch}"
+        );
+    }
+}
