@@ -176,8 +176,8 @@ def test_a_map_the_daemon_did_not_send_is_named_by_either_decoder():
     samples = [("a", 0, [(0, (1, 0, 10))]), ("b", 0, [(0, (9, 0, 10))])]
     n, words, payload = encode(samples, mapped=True)
     for decode in (functools.partial(_decode.python_mapped_batch, max_piece=1), ANY_MAPPED):
-        with pytest.raises(ProtocolError, match="the daemon at s referred to map 9, which it did "
-                                                "not send"):
+        with pytest.raises(ProtocolError, match="^the daemon at s referred to map 9, which it did "
+                                                "not send$"):
             decode(n, NAMES, URLS, words, memoryview(payload), maps={1: Map(1)}, path="s")
 
 
@@ -213,6 +213,23 @@ def test_more_fields_than_shaped_decoders_are_made_for_go_to_the_loop(monkeypatc
     assert len(taken) == 1
 
 
+def test_the_shaped_decoders_bounds_are_inclusive_and_each_is_made_once(monkeypatch):
+    """SHAPED_MAX fields, and a mapped batch whose largest piece is SMALL_PIECE, still take a
+    shaped decoder; a shape's decoder is compiled once and kept."""
+    fields = _decode.SHAPED_MAX
+    samples = [(f"k{i}", 0, [(j % len(NAMES), bytes([j])) for j in range(fields)]) for i in range(3)]
+    taken = loops_taken(monkeypatch)
+    n, words, payload = encode(samples, mapped=False)
+    assert _decode.python_batch(n, NAMES, URLS, words, payload) == expected(samples, {})
+    samples = [("k", 0, [(0, bytes(_decode.SMALL_PIECE))])]
+    n, words, payload = encode(samples, mapped=True)
+    assert _decode.python_mapped_batch(n, NAMES, URLS, words, memoryview(payload), _decode.SMALL_PIECE,
+                                       {}, "s") == (expected(samples, {}), 0)
+    assert not taken
+    assert _decode._shaped("batch", 3) is _decode._shaped("batch", 3)
+    assert _decode._shaped("batch", 3) is not _decode._shaped("mapped", 3)
+
+
 @pytest.mark.parametrize("mapped", [False, True])
 def test_the_compiled_decoder_gives_the_samples_of_the_python_one(mapped):
     rng = random.Random(11)
@@ -242,8 +259,8 @@ def test_the_compiled_decoder_gives_the_samples_of_the_python_one(mapped):
 
 def test_a_map_the_daemon_did_not_send_is_named_by_the_compiled_decoder():
     n, words, payload = encode([("a", 0, [(0, (1, 0, 10))]), ("b", 0, [(0, (9, 0, 10))])], True)
-    with pytest.raises(ProtocolError, match="the daemon at s referred to map 9, which it did not "
-                                            "send"):
+    with pytest.raises(ProtocolError, match="^the daemon at s referred to map 9, which it did not "
+                                            "send$"):
         decode(True, True, n, words, payload, {1: Map(1)})
 
 
@@ -332,3 +349,76 @@ def test_a_map_dropped_by_a_finalizer_mid_batch_stays_valid_for_the_batch(thresh
                          capture_output=True, text=True, cwd=_decode.__file__.rsplit("/", 2)[0])
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "200 800 [b'AAAA'] {}"
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_what_a_malformed_batch_is_said_to_be(compiled):
+    """Each way a batch can fail to add up has its own words, the same from both decoders
+    (the loop's IndexError says both of the compiled decoder's last two)."""
+    samples = [("k", 0, [(0, b"abcdef"), (1, b"gh")])]
+    n, words, payload = encode(samples, mapped=False)
+    bad_name = (words[0], words[1], 0x7FF0) + words[3:]
+    cases = [(False, n, words, payload[:-1], "a batch's pieces run past the end of its payload"),
+             (False, n, bad_name, payload, "a batch names a field or URL its tables do not have")]
+    n, words, payload = encode([("k", 0, [(0, b"abc")])], mapped=True)
+    cases.append((True, n, words[:-3], payload, "a batch's samples need more descriptor words than it has"))
+    for mapped, n, words, payload, why in cases:
+        with pytest.raises(ProtocolError) as e:
+            decode(compiled, mapped, n, words, payload, {})
+        assert str(e.value).startswith(f"the daemon at s sent a malformed batch: {why}"), str(e.value)
+
+
+def test_shardd_decoder_chooses_the_decoder(monkeypatch, tmp_path):
+    """``python``: the pure-Python one. A path: that library, or an ImportError that names
+    it and why (never a silent fallback). Unset: the library beside the module where there
+    is one and it loads (a warning and Python where it does not), else Python."""
+    lib = compiled_decoder()
+    assert _decode._load("python") is None
+    assert _decode._load(lib) is not None
+    for chosen, why in [(str(tmp_path / "none.so"), "cannot open shared object file"),
+                        (__file__, "invalid ELF header")]:
+        with pytest.raises(ImportError, match=f"^SHARDD_DECODER={chosen}: cannot load it: .*{why}"):
+            _decode._load(chosen)
+    monkeypatch.setattr(_decode, "_ABI", 2)
+    with pytest.raises(ImportError, match="it speaks version 1 of its interface, this client 2$"):
+        _decode._load(lib)
+    monkeypatch.setattr(_decode, "_ABI", 1)
+    monkeypatch.setattr(_decode, "LIBRARY", lib)
+    assert _decode._load("") is not None
+    monkeypatch.setattr(_decode, "LIBRARY", str(tmp_path / "absent.so"))
+    assert _decode._load("") is None
+    monkeypatch.setattr(_decode, "LIBRARY", __file__)
+    with pytest.warns(RuntimeWarning, match=f"^shardd: the compiled decoder {__file__} cannot be loaded "
+                                            r"\(.*\); decoding in Python, which costs more CPU per sample$"):
+        assert _decode._load("") is None
+
+
+def test_an_interpreter_without_the_stable_abi_decodes_in_python(monkeypatch):
+    """A free-threaded CPython (or PyPy) cannot load a stable-ABI library: it is not tried."""
+    import sys
+    import sysconfig
+
+    assert _decode._stable_abi()  # the CPython this suite runs on
+    monkeypatch.setattr(_decode, "LIBRARY", compiled_decoder())
+    assert _decode._load("") is not None
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else real(name))
+    assert not _decode._stable_abi()
+    assert _decode._load("") is None
+    monkeypatch.undo()
+    monkeypatch.setattr(sys.implementation, "name", "pypy")
+    assert not _decode._stable_abi()
+
+
+def test_a_source_tree_without_the_library_decodes_in_python_silently():
+    """What ``import shardd`` does with SHARDD_DECODER unset and no library beside the
+    module (the source tree: cargo builds it elsewhere)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "SHARDD_DECODER"}
+    run = subprocess.run([sys.executable, "-W", "error", "-c", "from shardd import _decode; print(_decode.DECODER)"],
+                         capture_output=True, text=True, env=env, cwd=_decode.__file__.rsplit("/", 2)[0])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "python\n"
