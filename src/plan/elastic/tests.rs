@@ -554,3 +554,21 @@ fn requests_past_the_bound_are_refused_before_any_work() {
         (per_stream * at as u64, per_stream * at as u64)
     );
 }
+
+#[test]
+fn an_elastic_mix_interleaves_only_the_sources_with_samples_left() {
+    // A source an earlier hop used up has no place in the order, and with one source left
+    // every sample of the stream is that source's, whichever it is.
+    let (_, live) = interleave(&[0, 5, 3]).unwrap();
+    assert_eq!(live, [1, 2]);
+    for lens in [[0, 4, 0], [4, 0, 0], [0, 0, 4]] {
+        assert!(interleave(&lens).is_none(), "{lens:?}");
+        let only = lens.iter().position(|&n| n > 0).unwrap();
+        let mut want = vec![0; 3];
+        want[only] = 3;
+        assert_eq!(taken(&None, &lens, 7, 3), want, "{lens:?}");
+    }
+    let order = interleave(&[0, 5, 3]);
+    let counts = taken(&order, &[0, 5, 3], 7, 8);
+    assert_eq!(counts, [0, 5, 3], "all of each source by the end");
+}
