@@ -43,7 +43,13 @@ fn epoch(
                     index: h,
                     count: hosts,
                 };
-                out.extend(samples(&plan_stream(shape, host, &req).unwrap().pieces));
+                let pieces = plan_stream(shape, host, &req).unwrap().pieces;
+                // No piece is empty: a host would fetch its shard for nothing.
+                assert!(
+                    pieces.iter().all(|p| p.end.unwrap() > p.start),
+                    "{pieces:?}"
+                );
+                out.extend(samples(&pieces));
             }
         }
     }
@@ -146,6 +152,56 @@ fn a_history_is_checked() {
     assert!(err(&[hop(1 << 19, 1 << 19, 0)], 9).contains("more than 262144"));
     let long: Vec<Hop> = (0..17).map(|i| hop(1, 1, i)).collect();
     assert!(err(&long, 99).contains("17 hops, more than 16"));
+    // The bounds themselves are allowed.
+    assert!(check(&long[..16], 99).is_ok());
+    assert!(check(&[hop(1 << 18, 1 << 18, 0)], 9).is_ok());
+}
+
+#[test]
+fn the_history_after_an_elastic_epoch_adds_the_topology_that_planned_it() {
+    // A resume of a resume: the epoch was planned at the oldest topology of the chain, and
+    // the epochs after it count from the one after it.
+    let origin = crate::plan::elastic::Origin {
+        hosts: 2,
+        world_size: 4,
+        num_workers: 2,
+        positions: vec![3, 3],
+        from: Some(Box::new(crate::plan::elastic::Origin {
+            hosts: 4,
+            world_size: 8,
+            num_workers: 1,
+            positions: vec![5],
+            from: None,
+        })),
+    };
+    let earlier = Hop {
+        hosts: 1,
+        world_size: 2,
+        num_workers: 3,
+        last_epoch: 1,
+    };
+    let next = after(&[earlier], &origin, 6);
+    assert_eq!(
+        next,
+        [
+            earlier,
+            Hop {
+                hosts: 4,
+                world_size: 8,
+                num_workers: 1,
+                last_epoch: 6,
+            }
+        ]
+    );
+    assert!(check(&next, 7).is_ok());
+    assert_eq!(
+        Passes {
+            hops: &next,
+            mix: None
+        }
+        .first_epoch(),
+        7
+    );
 }
 
 #[test]
