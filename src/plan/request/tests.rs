@@ -265,3 +265,55 @@ fn the_piece_budget_counts_every_run_and_refuses_past_its_bound() {
         "{refused}"
     );
 }
+
+#[test]
+fn every_stream_of_a_job_has_its_epochs_fingerprint_and_another_plan_another() {
+    // The fingerprint names an epoch's plan for every rank of the job (a checkpoint's resume
+    // checks it): the same on every host, rank and worker; another for anything that moves
+    // a sample (the seed, the epoch, the topology, the history).
+    let c = config();
+    let h = Hop {
+        hosts: 1,
+        world_size: 2,
+        num_workers: 1,
+        last_epoch: 0,
+    };
+    for name in ["web", "both"] {
+        let fingerprints = |topo, epoch, history: &[Hop]| -> BTreeSet<String> {
+            job(&c, name, topo, epoch, false, history)
+                .into_iter()
+                .map(|p| p.fingerprint)
+                .collect()
+        };
+        let one = fingerprints((2, 2, 2), 1, &[]);
+        assert_eq!(one.len(), 1, "{name}: {one:?}");
+        let others = [
+            fingerprints((2, 2, 2), 2, &[]),
+            fingerprints((2, 2, 1), 1, &[]),
+            fingerprints((1, 4, 2), 1, &[]),
+            fingerprints((2, 2, 2), 1, &[h]),
+        ];
+        let mut all = BTreeSet::new();
+        for f in others.iter().chain([&one]) {
+            assert_eq!(f.len(), 1, "{name}: {f:?}");
+            all.extend(f.iter().cloned());
+        }
+        assert_eq!(all.len(), 5, "{name}: {all:?}");
+        // Golden: a daemon upgraded mid-job must give a reconnecting client the fingerprint
+        // it had (else the client raises PlanChanged). A change here is a protocol change.
+        let golden = GOLDEN_FINGERPRINTS.iter().find(|g| g.0 == name).unwrap();
+        assert_eq!(
+            (
+                one.first().unwrap().as_str(),
+                others[3].first().unwrap().as_str()
+            ),
+            (golden.1, golden.2),
+            "{name}: without a history, and with one"
+        );
+    }
+}
+
+const GOLDEN_FINGERPRINTS: [(&str, &str, &str); 2] = [
+    ("web", "f86df677575fe0cc", "07850832f9550f5a"),
+    ("both", "c511307c86828eaf", "bf6c82ec12ab56dd"),
+];
