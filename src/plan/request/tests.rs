@@ -6,13 +6,16 @@ use std::path::Path;
 
 use super::*;
 use crate::plan::Topology;
+use crate::plan::elastic::Origin;
 use crate::plan::passes::Hop;
 
 const MIX: &str = "[datasets.web]\nshards = \"/w/{0..99}.tar\"\nshuffle_buffer = 5\nmanifest = \"/w/m.json\"\n\
                    [datasets.books]\nshards = \"/b/{0..59}.tar\"\nshuffle_buffer = 4\nmanifest = \"/b/m.json\"\n\
                    [datasets.both]\nmix = { web = 3, books = 2 }\nsamples_per_epoch = 10\n\
                    [datasets.stepped]\nmix = { web = 3, books = 2 }\nsamples_per_epoch = 10\n\
-                   schedule = [{ at = 100, mix = { web = 1, books = 1 } }]\n";
+                   schedule = [{ at = 100, mix = { web = 1, books = 1 } }]\n\
+                   [datasets.fixed]\nshards = \"/f/{0..39}.tar\"\nshuffle_buffer = 3\nmanifest = \"/f/m.json\"\n\
+                   samples_per_epoch = 6\n";
 
 /// The mix's config, shard `i` of each source holding `4 + i % 5` samples.
 fn config() -> Config {
@@ -28,10 +31,23 @@ fn config() -> Config {
 fn job(
     c: &Config,
     name: &str,
+    topology: (u32, u32, u32),
+    epoch: u64,
+    with_next: bool,
+    history: &[Hop],
+) -> Vec<Plan> {
+    resumed_job(c, name, topology, epoch, with_next, history, None)
+}
+
+/// [`job`], resuming `origin`'s checkpoint elastically when there is one.
+fn resumed_job(
+    c: &Config,
+    name: &str,
     (hosts, ranks, workers): (u32, u32, u32),
     epoch: u64,
     with_next: bool,
     history: &[Hop],
+    origin: Option<&Origin>,
 ) -> Vec<Plan> {
     let mut plans = Vec::new();
     for h in 0..hosts {
@@ -49,7 +65,7 @@ fn job(
                 worker: s % workers,
                 num_workers: workers,
             };
-            plans.push(plan(&c, name, req, None, history, with_next).unwrap());
+            plans.push(plan(&c, name, req, origin, history, with_next).unwrap());
         }
     }
     plans
@@ -201,11 +217,11 @@ fn a_schedules_at_is_counted_over_the_jobs_streams() {
     }
 }
 
-/// Across a resize (the job's history of topologies), each source of a mix goes on where
-/// the old topology left it: its epochs there, and its `at` schedule, are counted over the old
-/// topology's streams.
+/// Across a resize (the job's history of topologies), each source of a mix, and a dataset of
+/// a fixed samples_per_epoch, goes on where the old topology left it: its epochs there, and
+/// a mix's `at` schedule, are counted over the old topology's streams.
 #[test]
-fn a_mix_goes_on_across_a_resize() {
+fn a_mix_and_a_fixed_epoch_go_on_across_a_resize() {
     let c = config();
     for (old, new) in [((2, 2, 2), (3, 1, 1)), ((1, 3, 2), (2, 2, 2))] {
         let hops = [Hop {
@@ -214,7 +230,7 @@ fn a_mix_goes_on_across_a_resize() {
             num_workers: old.2,
             last_epoch: 1,
         }];
-        for name in ["both", "stepped"] {
+        for name in ["both", "stepped", "fixed"] {
             let mut seen: BTreeMap<String, BTreeSet<(usize, u64)>> = BTreeMap::new();
             for epoch in 0..4 {
                 let plans = match epoch {
@@ -317,3 +333,52 @@ const GOLDEN_FINGERPRINTS: [(&str, &str, &str); 2] = [
     ("web", "f86df677575fe0cc", "07850832f9550f5a"),
     ("both", "c511307c86828eaf", "bf6c82ec12ab56dd"),
 ];
+
+/// After an elastic resume: the new streams share out the old ones' rest (no run of an old
+/// stream read by two new ones), and what each prefetches for the next epoch is what it reads
+/// then, planned with the history the resume adds (`passes::after`).
+#[test]
+fn an_elastic_epoch_deals_each_old_streams_rest_once_and_prefetches_the_next_epoch() {
+    let c = config();
+    let origin = Origin {
+        hosts: 2,
+        world_size: 4,
+        num_workers: 2,
+        positions: vec![3, 4],
+        from: None,
+    };
+    for name in ["both", "fixed"] {
+        for new in [(1, 2, 2), (3, 1, 2)] {
+            let what = format!("{name} {new:?}");
+            let now = resumed_job(&c, name, new, 1, true, &[], Some(&origin));
+            let mut runs: BTreeMap<(String, u64), Vec<(u64, u64)>> = BTreeMap::new();
+            for lane in now.iter().flat_map(|p| &p.lanes) {
+                for r in &lane.runs {
+                    let to = r.to.unwrap();
+                    runs.entry((lane.dataset.clone(), r.plan.stream_key))
+                        .or_default()
+                        .push((r.from, to));
+                }
+            }
+            for ((source, key), mut ranges) in runs {
+                ranges.sort();
+                for w in ranges.windows(2) {
+                    assert!(
+                        w[0].1 <= w[1].0,
+                        "{what}: {source} stream {key}: {ranges:?}"
+                    );
+                }
+            }
+            let history = crate::plan::passes::after(&[], &origin, 1);
+            let next = job(&c, name, new, 2, false, &history);
+            for (a, b) in now.iter().zip(&next) {
+                for lane in &a.lanes {
+                    let then = b.lanes.iter().find(|l| l.dataset == lane.dataset).unwrap();
+                    let shards: Vec<usize> =
+                        then.runs.iter().flat_map(|r| r.plan.shards()).collect();
+                    assert_eq!(lane.next_epoch, shards, "{what} {}", lane.dataset);
+                }
+            }
+        }
+    }
+}
