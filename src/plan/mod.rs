@@ -459,8 +459,8 @@ fn plan_resampled(
     host: Topology,
     stream_key: u64,
 ) -> Result<StreamPlan, PlanError> {
+    // No piece is empty (`host_spans`).
     let (pieces, _) = host_pieces(counts, shape, host);
-    let pieces: Vec<Piece> = pieces.into_iter().filter(|p| len(p) > 0).collect();
     let want = shape.samples_per_epoch.unwrap_or(0);
     if pieces.is_empty() && want > 0 {
         return Err(PlanError::NoSamples);

@@ -607,10 +607,11 @@ fn the_extra_shard_visits_every_rank_and_worker_once_in_as_many_epochs() {
 fn a_shard_without_samples_is_never_read_nor_warmed() {
     // A manifest may list empty shards: reading (or warming) one would fetch it for nothing.
     let counts = [4, 0, 7, 0, 0, 5, 3, 0, 6];
-    for samples_per_epoch in [None, Some(5)] {
+    for (samples_per_epoch, resampled) in [(None, false), (Some(5), false), (Some(5), true)] {
         let shape = Shape {
             counts: Some(&counts),
             samples_per_epoch,
+            resampled,
             ..Shape::shards(counts.len())
         };
         for hosts in 1..=3 {
@@ -633,7 +634,7 @@ fn a_shard_without_samples_is_never_read_nor_warmed() {
                         s.pieces
                             .iter()
                             .all(|p| p.end.is_some_and(|end| end > p.start)),
-                        "{samples_per_epoch:?} hosts {hosts} epoch {epoch}: {:?}",
+                        "{samples_per_epoch:?} resampled {resampled} hosts {hosts} epoch {epoch}: {:?}",
                         s.pieces
                     );
                 }
