@@ -382,3 +382,22 @@ fn errors_name_the_shard() {
     let err = parse(&cut, &url).unwrap_err().to_string();
     assert!(err.contains("truncated"), "{err}");
 }
+
+#[test]
+fn field_names_are_lowercased_as_webdataset_does_non_ascii_ones_too() {
+    // webdataset lowercases a member's extension with Python's str.lower(): "JPG" and "ÉÈ"
+    // (no ASCII letter in it at all) both.
+    let url: Arc<str> = Arc::from("gs://b/x.tar");
+    let shard = tar_of(&[("k.JPG", b"1"), ("k.ÉÈ", b"2"), ("k.txt", b"3")]);
+    let samples = parse(&shard, &url).unwrap();
+    assert_eq!(
+        keys_and_fields(&samples),
+        [(
+            "k".to_owned(),
+            vec!["jpg".to_owned(), "éè".to_owned(), "txt".to_owned()]
+        )]
+    );
+    // A key reads as its text.
+    assert_eq!(&*samples[0].key, "k");
+    assert_eq!(samples[0].key.len(), 1);
+}
