@@ -401,3 +401,26 @@ fn field_names_are_lowercased_as_webdataset_does_non_ascii_ones_too() {
     assert_eq!(&*samples[0].key, "k");
     assert_eq!(samples[0].key.len(), 1);
 }
+
+#[test]
+fn a_tar_may_end_after_one_zero_block_but_not_inside_a_header() {
+    let url: Arc<str> = Arc::from("gs://b/x.tar");
+    let whole = tar_of(&[("k.txt", b"abc")]);
+    // A member's header and its data block, then the end: one zero block (of tar's two)
+    // is enough, as for tar and tarfile.
+    let one_zero_block = ShardBytes::heap(Bytes::copy_from_slice(&whole[..3 * 512]));
+    assert_eq!(
+        keys_and_fields(&parse(&one_zero_block, &url).unwrap()),
+        [("k".to_owned(), vec!["txt".to_owned()])]
+    );
+    // Bytes after the member that are less than a header block.
+    let mut cut = whole[..2 * 512].to_vec();
+    cut.extend_from_slice(&[7; 100]);
+    let err = parse(&ShardBytes::heap(Bytes::from(cut)), &url)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("the archive ends inside a header block"),
+        "{err}"
+    );
+}
