@@ -230,25 +230,29 @@ fn signed_checksum_headers_are_read() {
     );
 }
 
+/// A header block as a tar writer that is not the `tar` crate may lay it out.
+fn raw(name: &str, size: u64, kind: tar::EntryType) -> Vec<u8> {
+    let mut h = tar::Header::new_gnu();
+    h.as_gnu_mut().unwrap().name[..name.len()].copy_from_slice(name.as_bytes());
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_entry_type(kind);
+    h.set_cksum();
+    h.as_bytes().to_vec()
+}
+
+/// `b` padded to whole blocks.
+fn padded(b: &[u8]) -> Vec<u8> {
+    let mut b = b.to_vec();
+    b.resize(b.len().next_multiple_of(512), 0);
+    b
+}
+
 /// Issue 8 (fuzzing, `tar` target against its reference walk): a PAX `size` record
 /// followed by a GNU long-name header was applied to the long-name header, so the shard
 /// silently yielded no samples, where tarfile (webdataset) reads the file with the PAX size.
 #[test]
 fn pax_size_describes_the_member_after_a_long_name() {
-    let raw = |name: &str, size: u64, kind: tar::EntryType| {
-        let mut h = tar::Header::new_gnu();
-        h.as_gnu_mut().unwrap().name[..name.len()].copy_from_slice(name.as_bytes());
-        h.set_size(size);
-        h.set_mode(0o644);
-        h.set_entry_type(kind);
-        h.set_cksum();
-        h.as_bytes().to_vec()
-    };
-    let padded = |b: &[u8]| {
-        let mut b = b.to_vec();
-        b.resize(b.len().next_multiple_of(512), 0);
-        b
-    };
     let long = format!("dir/{}.jpg", "n".repeat(120));
     let mut data = raw("pax", 10, tar::EntryType::XHeader);
     data.extend(padded(b"10 size=5\n"));
@@ -423,4 +427,34 @@ fn a_tar_may_end_after_one_zero_block_but_not_inside_a_header() {
         err.contains("the archive ends inside a header block"),
         "{err}"
     );
+}
+
+/// A PAX `size` record describes the member, not the extension headers between it and the
+/// member (a long link name, another PAX header: each is read with its own size), as tarfile
+/// (webdataset) reads them.
+#[test]
+fn pax_size_skips_every_kind_of_extension_header() {
+    for (kind, body) in [
+        (tar::EntryType::GNULongLink, b"some/link/target\0".to_vec()),
+        (tar::EntryType::XHeader, b"18 path=dir/k.jpg\n".to_vec()),
+        (
+            tar::EntryType::XGlobalHeader,
+            b"18 comment=global\n".to_vec(),
+        ),
+    ] {
+        let mut data = raw("pax", 10, tar::EntryType::XHeader);
+        data.extend(padded(b"10 size=5\n"));
+        data.extend(raw("ext", body.len() as u64, kind));
+        data.extend(padded(&body));
+        data.extend(raw("dir/k.jpg", 999, tar::EntryType::Regular)); // PAX says 5
+        data.extend(padded(b"hello"));
+        data.extend([0u8; 1024]);
+        let s = parse(&ShardBytes::heap(Bytes::from(data)), &Arc::from("u")).unwrap();
+        assert_eq!(
+            keys_and_fields(&s),
+            [("dir/k".to_owned(), vec!["jpg".to_owned()])],
+            "{kind:?}"
+        );
+        assert_eq!(&s[0].fields[0].1[..], b"hello", "{kind:?}");
+    }
 }
