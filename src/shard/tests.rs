@@ -458,3 +458,21 @@ fn pax_size_skips_every_kind_of_extension_header() {
         assert_eq!(&s[0].fields[0].1[..], b"hello", "{kind:?}");
     }
 }
+
+#[test]
+fn a_member_cut_short_is_truncated_and_one_that_ends_the_file_exactly_is_whole() {
+    let url: Arc<str> = Arc::from("gs://b/x.tar");
+    let whole = tar_of(&[("k.bin", &[7u8; 1000])]);
+    // 600 of its 1000 bytes.
+    let err = parse(&whole.slice(..512 + 600), &url)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "gs://b/x.tar: truncated: member \"k.bin\" needs bytes up to 1512, the shard has 1112"
+    );
+    // A member whose last byte is the file's last (no padding, no end blocks): whole.
+    let exact = tar_of(&[("k.bin", &[7u8; 512])]);
+    let s = parse(&exact.slice(..1024), &url).unwrap();
+    assert_eq!(&s[0].fields[0].1[..], &[7u8; 512][..]);
+}
