@@ -300,9 +300,22 @@ fn pax_records_are_read_by_length() {
     // Padding after the records ends them, as in tarfile.
     let s = pax(b"16 path=x/y.bin\n\0\0\0\0").unwrap();
     assert_eq!((s[0].key.as_str(), &*s[0].fields[0].0), ("x/y", "bin"));
+    // So does anything that does not start a record (`\d+ `): digits without their space, a
+    // space without digits.
+    for padding in [&b"12ab"[..], b" 12 x", b"7"] {
+        let mut records = b"16 path=x/y.bin\n".to_vec();
+        records.extend_from_slice(padding);
+        let s = pax(&records).unwrap();
+        assert_eq!(s[0].key.as_str(), "x/y", "{padding:?}");
+    }
     for (records, why) in [
+        // Shorter than its digits, a space and a newline.
         (
-            &b"99 path=x/y.bin\n"[..],
+            &b"2 =\n"[..],
+            "a PAX record's length does not fit its header",
+        ),
+        (
+            b"99 path=x/y.bin\n",
             "a PAX record's length does not fit its header",
         ),
         (
