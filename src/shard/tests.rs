@@ -100,6 +100,12 @@ fn split_name_matches_webdataset_regex() {
         ("a.", Some(("a", ""))),
         ("a//.x", Some(("a//", "x"))),
         ("x/y.z/w/.q", Some(("x/y.z/w/", "q"))),
+        // A directory ending in a dot, a name starting with a slash.
+        ("a./b.c", Some(("a./b", "c"))),
+        ("x/y./.z", None),
+        ("a./b", None),
+        ("/a.b", Some(("/a", "b"))),
+        ("a/.b/c.d", Some(("a/.b/c", "d"))),
         // Newlines: `.` does not match one (issue 8, found by the tar fuzz target).
         ("30 path=a/very/long/name.jpg\n0/k.jpg", None),
         ("a\nb/c.d", Some(("a\nb/c", "d"))),
