@@ -427,6 +427,21 @@ mod tests {
         assert!(ShardIndex::of(&data, &[sample(400..600)]).is_none());
     }
 
+    /// A budget of exactly one index keeps it, and an index kept again (two streams parsed
+    /// the shard at once) is counted once.
+    #[test]
+    fn an_index_the_size_of_the_budget_is_kept_and_counted_once() {
+        let data = shard();
+        let url: Arc<str> = Arc::from("file:///s.tar");
+        let parsed = shard::parse(&data, &url).unwrap();
+        let size = ShardIndex::of(&data, &parsed).unwrap().size();
+        let indexes = SampleIndexes::new(size, &Metrics::new());
+        indexes.samples(1, &data, &url, 0, None).unwrap();
+        assert_eq!(indexes.bytes(), size);
+        indexes.keep(1, ShardIndex::of(&data, &parsed).unwrap());
+        assert_eq!(indexes.bytes(), size);
+    }
+
     #[test]
     fn a_corrupt_shard_is_an_error_each_time_and_never_indexed() {
         let mut bytes = shard().to_vec();
