@@ -284,9 +284,9 @@ fn the_piece_budget_counts_every_run_and_refuses_past_its_bound() {
 
 #[test]
 fn every_stream_of_a_job_has_its_epochs_fingerprint_and_another_plan_another() {
-    // The fingerprint names an epoch's plan for every rank of the job (a checkpoint's resume
-    // checks it): the same on every host, rank and worker; another for anything that moves
-    // a sample (the seed, the epoch, the topology, the history).
+    // The fingerprint names an epoch's plan for every rank of the job (a reconnecting client
+    // checks it): the same on every host, rank and worker; another for another epoch,
+    // topology or history.
     let c = config();
     let h = Hop {
         hosts: 1,
@@ -360,6 +360,7 @@ fn an_elastic_epoch_deals_each_old_streams_rest_once_and_prefetches_the_next_epo
                         .push((r.from, to));
                 }
             }
+            assert!(!runs.is_empty(), "{what}: no run");
             for ((source, key), mut ranges) in runs {
                 ranges.sort();
                 for w in ranges.windows(2) {
